@@ -1,0 +1,7 @@
+"""Allow ``python -m fedddl``."""
+
+import sys
+
+from fedddl.cli import main
+
+sys.exit(main())

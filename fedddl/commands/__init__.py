@@ -1,0 +1,1 @@
+"""Subcommands of the ``fedddl`` CLI, one module each (see :mod:`fedddl.cli`)."""
