@@ -1,0 +1,46 @@
+"""Shared fixtures: the digits split as tensors and an imbalanced label array."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from fedddl.data import as_tensors, load_dataset
+
+
+@pytest.fixture(scope="session")
+def digits_train() -> tuple[torch.Tensor, torch.Tensor]:
+    """The digits train split as ``(images N×1×8×8, labels N)``."""
+    return as_tensors(load_dataset("digits", split="train"))
+
+
+@pytest.fixture(scope="session")
+def digits_test() -> tuple[torch.Tensor, torch.Tensor]:
+    """The digits test split as ``(images N×1×8×8, labels N)``."""
+    return as_tensors(load_dataset("digits", split="test"))
+
+
+@pytest.fixture()
+def imbalanced_labels() -> np.ndarray:
+    """2000 shuffled labels with class counts 1000, 500, 300, 150, 50."""
+    counts = [1000, 500, 300, 150, 50]
+    labels = np.repeat(np.arange(len(counts)), counts)
+    return np.random.default_rng(123).permutation(labels)
+
+
+@pytest.fixture(autouse=True)
+def torch_single_thread() -> Iterator[None]:
+    """Run every test with one torch thread.
+
+    Small models on a 2-core machine run up to ~80x faster single-threaded when
+    other work competes for the cores (measured: 300 digits-MLP steps, 28.5 s vs 0.34 s).
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
