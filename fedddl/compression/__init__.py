@@ -1,0 +1,58 @@
+"""Flower-free gradient compression: TernGrad ternary codes at 2 bits per value.
+
+Usage::
+
+    from fedddl.compression import TernaryCompressor, ResidualMemory, encode_update, decode_update
+    data = encode_update(model_gradients, TernaryCompressor(seed=0), ResidualMemory())
+    grads = decode_update(data)      # raises PayloadError on bad input
+"""
+
+from fedddl.compression.base import Compressor
+from fedddl.compression.errors import PayloadError
+from fedddl.compression.identity import IdentityCompressor
+from fedddl.compression.memory import Memory, NoMemory, ResidualMemory
+from fedddl.compression.packing import CODECS, pack_codes, unpack_codes
+from fedddl.compression.payload import (
+    SUPPORTED_DTYPES,
+    Context,
+    DensePayload,
+    Payload,
+    TernaryPayload,
+)
+from fedddl.compression.registry import (
+    available_compressors,
+    get_compressor,
+    register_compressor,
+)
+from fedddl.compression.sharing import local_scales, max_scales
+from fedddl.compression.ternarize import PROBABILITY_BITS
+from fedddl.compression.ternary import TernaryCompressor
+from fedddl.compression.wire import FORMAT_VERSION, MAGIC, decode_update, encode_update
+
+__all__ = [
+    "CODECS",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "PROBABILITY_BITS",
+    "SUPPORTED_DTYPES",
+    "Compressor",
+    "Context",
+    "DensePayload",
+    "IdentityCompressor",
+    "Memory",
+    "NoMemory",
+    "Payload",
+    "PayloadError",
+    "ResidualMemory",
+    "TernaryCompressor",
+    "TernaryPayload",
+    "available_compressors",
+    "decode_update",
+    "encode_update",
+    "get_compressor",
+    "local_scales",
+    "max_scales",
+    "pack_codes",
+    "register_compressor",
+    "unpack_codes",
+]

@@ -1,0 +1,51 @@
+"""The compressor interface (GRACE-style: compress / decompress, no transport)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from fedddl.compression.payload import Context, Payload, decompress_payload
+
+__all__ = ["Compressor"]
+
+
+class Compressor(ABC):
+    """Turns a tensor into a payload and back; knows nothing about transport.
+
+    Subclasses return a :class:`~fedddl.compression.DensePayload` or a
+    :class:`~fedddl.compression.TernaryPayload` so that
+    :func:`~fedddl.compression.encode_update` can serialise it.
+    """
+
+    #: Registry name of the compressor.
+    name: str = "compressor"
+
+    @abstractmethod
+    def compress(
+        self, tensor: torch.Tensor, *, scale: float | None = None
+    ) -> tuple[Payload, Context]:
+        """Compress ``tensor``.
+
+        Parameters
+        ----------
+        tensor:
+            A floating tensor; non-finite values raise ``ValueError``.
+        scale:
+            A shared scaler (see :meth:`local_scale`); compressors without a
+            scale raise ``ValueError`` when it is given.
+        """
+
+    def decompress(self, payload: Payload, ctx: Context) -> torch.Tensor:
+        """Rebuild a tensor of ``ctx.shape`` and ``ctx.dtype`` from ``payload``."""
+        return decompress_payload(payload, ctx)
+
+    def local_scale(self, tensor: torch.Tensor) -> float | None:
+        """The scaler this compressor would use for ``tensor`` (``None``: no scaler).
+
+        Workers can share ``max`` of their local scales and pass it to
+        :meth:`compress` as ``scale`` (TernGrad's scaler sharing).
+        """
+        del tensor
+        return None

@@ -1,0 +1,79 @@
+"""Error-feedback memories: compensate before compressing, update after."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+__all__ = ["Memory", "NoMemory", "ResidualMemory"]
+
+
+class Memory(ABC):
+    """Per-tensor-name state for error feedback.
+
+    :meth:`compensate` must not change the memory (so a failed encode leaves it
+    untouched); only :meth:`update` commits.
+    """
+
+    @abstractmethod
+    def compensate(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Return the tensor to compress for ``name`` (e.g. ``tensor + residual``)."""
+
+    @abstractmethod
+    def update(self, name: str, tensor: torch.Tensor, decompressed: torch.Tensor) -> None:
+        """Record what was sent: ``tensor`` is the compensated input, ``decompressed`` its
+        reconstruction."""
+
+
+class NoMemory(Memory):
+    """No error feedback: tensors are compressed as given."""
+
+    def compensate(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Return ``tensor`` unchanged."""
+        return tensor
+
+    def update(self, name: str, tensor: torch.Tensor, decompressed: torch.Tensor) -> None:
+        """Do nothing."""
+
+
+class ResidualMemory(Memory):
+    """Keeps ``residual[name] = compensated - decompressed`` and adds it back next time.
+
+    Over steps, ``sum(decompressed) + residual == sum(inputs)`` (up to float
+    rounding): nothing that compression dropped is lost, only delayed.
+    Residuals are kept in the tensor's own dtype.
+    """
+
+    def __init__(self) -> None:
+        self._residuals: dict[str, torch.Tensor] = {}
+
+    @property
+    def residuals(self) -> dict[str, torch.Tensor]:
+        """A copy of the current residuals by name."""
+        return {name: r.clone() for name, r in self._residuals.items()}
+
+    def reset(self) -> None:
+        """Forget all residuals."""
+        self._residuals.clear()
+
+    def compensate(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Return ``tensor + residual[name]`` (a new tensor; the memory is unchanged)."""
+        residual = self._residuals.get(name)
+        if residual is None:
+            return tensor
+        if residual.shape != tensor.shape or residual.dtype != tensor.dtype:
+            raise ValueError(
+                f"tensor {name!r} is {tuple(tensor.shape)}/{tensor.dtype} but its residual is "
+                f"{tuple(residual.shape)}/{residual.dtype}"
+            )
+        return tensor + residual
+
+    def update(self, name: str, tensor: torch.Tensor, decompressed: torch.Tensor) -> None:
+        """Set ``residual[name] = tensor - decompressed``."""
+        if decompressed.shape != tensor.shape:
+            raise ValueError(
+                f"tensor {name!r}: decompressed shape {tuple(decompressed.shape)} != "
+                f"{tuple(tensor.shape)}"
+            )
+        self._residuals[name] = (tensor.detach() - decompressed.to(tensor.dtype)).detach()

@@ -1,0 +1,135 @@
+"""What a compressor produces: a payload (the data to send) and its context.
+
+Only two payload kinds exist, because the wire format
+(:mod:`fedddl.compression.wire`) must be able to serialise every payload:
+
+* :class:`DensePayload`: the tensor's values, uncompressed, in their own dtype.
+* :class:`TernaryPayload`: packed ternary codes plus one float32 scale ``s``;
+  element ``i`` decodes to ``s * c_i`` with ``c_i`` in ``{-1, 0, +1}``.
+
+A user-defined :class:`~fedddl.compression.Compressor` must return one of these.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fedddl.compression.packing import CODECS, unpack_codes
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "Context",
+    "DensePayload",
+    "Payload",
+    "TernaryPayload",
+    "check_float_tensor",
+    "decompress_payload",
+]
+
+#: Floating dtypes a compressor accepts and the wire format can carry.
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+)
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the receiver needs besides the payload: the original shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the original tensor."""
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class DensePayload:
+    """Uncompressed values (contiguous, original dtype, original shape)."""
+
+    values: torch.Tensor
+
+
+@dataclass(frozen=True)
+class TernaryPayload:
+    """Packed ternary codes and their scale.
+
+    Attributes
+    ----------
+    codes:
+        1-D ``uint8`` tensor of packed codes (layout: :mod:`fedddl.compression.packing`).
+    scale:
+        The scaler ``s >= 0``; must be exactly representable as float32.
+    numel:
+        Number of packed values.
+    codec:
+        ``"2bit"`` (4 codes per byte) or ``"base3"`` (5 codes per byte).
+    """
+
+    codes: torch.Tensor
+    scale: float
+    numel: int
+    codec: str
+
+    def __post_init__(self) -> None:
+        if self.codec not in CODECS:
+            raise ValueError(f"unknown codec {self.codec!r}; expected one of {CODECS}")
+        if not math.isfinite(self.scale) or self.scale < 0:
+            raise ValueError(f"scale must be finite and >= 0, got {self.scale}")
+        if float(np.float32(self.scale)) != self.scale:
+            raise ValueError(
+                f"scale {self.scale!r} is not exactly a float32 (the wire stores float32)"
+            )
+
+
+Payload = DensePayload | TernaryPayload
+
+
+def check_float_tensor(tensor: object) -> torch.Tensor:
+    """Return ``tensor`` if it is a torch tensor of a supported floating dtype.
+
+    Raises
+    ------
+    TypeError
+        If it is not a tensor or its dtype is not in :data:`SUPPORTED_DTYPES`.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"unsupported dtype {tensor.dtype}; expected one of "
+            f"{[str(d) for d in SUPPORTED_DTYPES]}"
+        )
+    return tensor
+
+
+def decompress_payload(payload: Payload, ctx: Context) -> torch.Tensor:
+    """Rebuild the tensor described by ``payload`` and ``ctx``.
+
+    Shared by every compressor's ``decompress`` and by ``decode_update``, so the
+    sender's view of what it sent (used for error feedback) is bit-identical to
+    what the receiver decodes.
+    """
+    if isinstance(payload, DensePayload):
+        values = payload.values
+        if tuple(values.shape) != ctx.shape or values.dtype != ctx.dtype:
+            raise ValueError(
+                f"dense payload is {tuple(values.shape)}/{values.dtype}, "
+                f"context says {ctx.shape}/{ctx.dtype}"
+            )
+        return values.clone()
+    if isinstance(payload, TernaryPayload):
+        if payload.numel != ctx.numel:
+            raise ValueError(f"payload has {payload.numel} values, context needs {ctx.numel}")
+        flat = unpack_codes(payload.codes, payload.numel, payload.scale, payload.codec)
+        return flat.to(ctx.dtype).reshape(ctx.shape)
+    raise TypeError(f"unknown payload type {type(payload).__name__}")

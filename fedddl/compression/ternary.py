@@ -1,0 +1,175 @@
+"""TernGrad (Wen et al., 2017): layer-wise scaler, clipping, stochastic ternarisation."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from fedddl.compression.base import Compressor
+from fedddl.compression.packing import CODECS, packed_size
+from fedddl.compression.payload import (
+    Context,
+    DensePayload,
+    Payload,
+    TernaryPayload,
+    check_float_tensor,
+)
+from fedddl.compression.statistics import tensor_statistics
+from fedddl.compression.ternarize import (
+    RandomBits,
+    ternarize_deterministic,
+    ternarize_stochastic,
+)
+
+__all__ = ["TernaryCompressor"]
+
+
+def _as_float32_scale(value: float) -> float:
+    return float(np.float32(value))
+
+
+class TernaryCompressor(Compressor):
+    """Ternary gradients ``s * sign(g) * b`` sent at 2 (or 1.6) bits per value.
+
+    Per tensor: optional clipping of ``g`` to ``[-c*sigma, c*sigma]``
+    (``sigma`` = population std of the tensor), scaler ``s = max|g_clipped|``,
+    then ``b ~ Bernoulli(|g_clipped| / s)`` so ``E[g~] = g_clipped`` (up to the
+    ``2**-16`` probability resolution, see :mod:`fedddl.compression.ternarize`).
+
+    Parameters
+    ----------
+    clip_sigma:
+        ``c`` (TernGrad's default 2.5); ``None`` disables clipping. A constant
+        tensor (``sigma = 0``) is never clipped.
+    seed:
+        Seed of the random stream: the same seed and the same sequence of
+        calls give the same codes.
+    deterministic:
+        If true, no randomness: ``sign(g) * s`` where ``|g_clipped| > threshold * s``,
+        else 0 (biased).
+    threshold:
+        Cut of the deterministic mode, in ``[0, 1]``.
+    min_numel:
+        Tensors with fewer elements are sent uncompressed in their own dtype
+        (e.g. biases).
+    codec:
+        ``"2bit"`` (4 codes per byte) or ``"base3"`` (5 codes per byte).
+
+    Notes
+    -----
+    An instance owns one random stream: do not call :meth:`compress` on the
+    same instance from several threads at once (use one instance per worker).
+    Inputs on another device are processed on the CPU.
+    """
+
+    name = "ternary"
+
+    def __init__(
+        self,
+        clip_sigma: float | None = 2.5,
+        seed: int = 0,
+        deterministic: bool = False,
+        threshold: float = 0.5,
+        min_numel: int = 0,
+        codec: str = "2bit",
+    ) -> None:
+        if clip_sigma is not None and not (math.isfinite(clip_sigma) and clip_sigma > 0):
+            raise ValueError(f"clip_sigma must be positive and finite, or None; got {clip_sigma}")
+        if not (isinstance(threshold, (int, float)) and 0.0 <= threshold <= 1.0):
+            raise ValueError(f"threshold must be in [0, 1], got {threshold!r}")
+        if not isinstance(min_numel, int) or isinstance(min_numel, bool) or min_numel < 0:
+            raise ValueError(f"min_numel must be a non-negative int, got {min_numel!r}")
+        if codec not in CODECS:
+            raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+        self.clip_sigma = clip_sigma
+        self.seed = seed
+        self.deterministic = bool(deterministic)
+        self.threshold = float(threshold)
+        self.min_numel = min_numel
+        self.codec = codec
+        self._bits = RandomBits(seed)
+        if codec == "base3":
+            self.name = "ternary-base3"
+
+    def __repr__(self) -> str:
+        return (
+            f"TernaryCompressor(clip_sigma={self.clip_sigma}, seed={self.seed}, "
+            f"deterministic={self.deterministic}, threshold={self.threshold}, "
+            f"min_numel={self.min_numel}, codec={self.codec!r})"
+        )
+
+    def _statistics(self, flat: torch.Tensor) -> tuple[float, float | None]:
+        """Return ``(max|g|, clip bound or None)``; raise on non-finite values."""
+        stats = tensor_statistics(flat, with_std=self.clip_sigma is not None)
+        if self.clip_sigma is None or stats.peak == 0.0:
+            return stats.peak, None
+        bound = self.clip_sigma * stats.std
+        if bound == 0.0 or bound >= stats.peak:
+            return stats.peak, None
+        return stats.peak, bound
+
+    def local_scale(self, tensor: torch.Tensor) -> float | None:
+        """The scaler ``s = max|g_clipped|`` (float32) for ``tensor``; ``None`` if it
+        would be sent uncompressed (fewer than ``min_numel`` elements)."""
+        check_float_tensor(tensor)
+        if tensor.numel() < self.min_numel:
+            return None
+        if tensor.numel() == 0:
+            return 0.0
+        flat = tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
+        peak, bound = self._statistics(flat)
+        return _as_float32_scale(peak if bound is None else bound)
+
+    def compress(
+        self, tensor: torch.Tensor, *, scale: float | None = None
+    ) -> tuple[Payload, Context]:
+        """Ternarise ``tensor``.
+
+        Parameters
+        ----------
+        tensor:
+            Finite floating tensor (any shape, fp16/bf16/fp32/fp64).
+        scale:
+            Shared scaler ``>=`` :meth:`local_scale` of this tensor (e.g. the
+            max over workers); ``b ~ Bernoulli(|g_clipped| / scale)`` stays unbiased.
+
+        Raises
+        ------
+        ValueError
+            Non-finite values, or ``scale`` non-finite or below the local scale.
+        """
+        check_float_tensor(tensor)
+        ctx = Context(tuple(tensor.shape), tensor.dtype)
+        detached = tensor.detach()
+        if tensor.numel() < self.min_numel:
+            if scale is not None:
+                raise ValueError(
+                    f"tensor has {tensor.numel()} < min_numel={self.min_numel} elements and is "
+                    "sent uncompressed; do not pass scale="
+                )
+            values = detached.contiguous().clone()
+            if not bool(torch.isfinite(values).all()):
+                raise ValueError("tensor has NaN or Inf values")
+            return DensePayload(values), ctx
+        flat = detached.reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
+        if flat.numel() == 0:
+            return TernaryPayload(torch.empty(0, dtype=torch.uint8), 0.0, 0, self.codec), ctx
+        peak, bound = self._statistics(flat)
+        local = _as_float32_scale(peak if bound is None else bound)
+        if scale is None:
+            used = local
+        else:
+            if not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+                raise ValueError(f"scale must be a finite number, got {scale!r}")
+            used = _as_float32_scale(scale)
+            if used < local:
+                raise ValueError(f"shared scale {scale} is below this tensor's local scale {local}")
+        if used == 0.0:  # all-zero tensor
+            packed = torch.zeros(packed_size(flat.numel(), self.codec), dtype=torch.uint8)
+        elif self.deterministic:
+            packed = ternarize_deterministic(flat, used, bound, self.threshold, self.codec)
+        else:
+            packed = ternarize_stochastic(flat, used, bound, self._bits, self.codec)
+        return TernaryPayload(packed, used, flat.numel(), self.codec), ctx

@@ -1,0 +1,324 @@
+"""The wire format of an update: ``encode_update`` / ``decode_update``.
+
+Byte layout (version 1, all integers little-endian)::
+
+    offset  size  field
+    0       4     magic  b"FDTQ"
+    4       1     version = 1
+    5       1     flags = 0 (reserved)
+    6       4     u32 count: number of tensors (<= MAX_TENSORS)
+    10      8     u64 total length of the message in bytes, CRC included
+    18      ...   count entries, each:
+                    u16  name length L (<= MAX_NAME_BYTES), then L bytes UTF-8 name
+                    u8   dtype: 1 float32, 2 float64, 3 float16, 4 bfloat16
+                    u8   kind:  0 dense, 1 ternary 2-bit, 2 ternary base-3
+                    u8   ndim (<= MAX_NDIM), then ndim x u64 dims (each <= MAX_DIM)
+                    f32  scale s (ternary kinds only; finite, >= 0)
+    ...     ...   data of every entry, in entry order:
+                    dense:    numel * itemsize raw bytes of the dtype
+                    2-bit:    ceil(numel / 4) bytes, 4 codes per byte
+                    base-3:   ceil(numel / 5) bytes, 5 codes per byte
+                  (code layout: :mod:`fedddl.compression.packing`)
+    end-4   4     u32 zlib.crc32 of every preceding byte
+
+A ternary entry decodes to ``s * code`` computed in float32, then cast to
+``dtype``; a dense entry to its raw values.  Data sizes follow from the header
+alone and must add up to exactly the bytes present, which is checked before
+any tensor is allocated, so a hostile header cannot make the decoder allocate
+more than the message size.  Sizes are always ``len(encode_update(...))``.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import warnings
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from fedddl.compression.base import Compressor
+from fedddl.compression.errors import PayloadError
+from fedddl.compression.memory import Memory
+from fedddl.compression.packing import find_invalid_codes, packed_size, unpack_codes
+from fedddl.compression.payload import Context, DensePayload, Payload, TernaryPayload
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MAGIC",
+    "MAX_DIM",
+    "MAX_NAME_BYTES",
+    "MAX_NDIM",
+    "MAX_TENSORS",
+    "decode_update",
+    "encode_update",
+]
+
+MAGIC = b"FDTQ"
+FORMAT_VERSION = 1
+MAX_TENSORS = 1 << 16
+MAX_NAME_BYTES = 1024
+MAX_NDIM = 16
+MAX_DIM = 1 << 48  # torch shapes are int64; no real tensor comes near this
+
+_PREFIX = struct.Struct("<4sBBIQ")
+_CRC = struct.Struct("<I")
+_MIN_ENTRY = 2 + 3  # empty name, dtype, kind, ndim
+_KIND_DENSE, _KIND_2BIT, _KIND_BASE3 = 0, 1, 2
+_KIND_OF_CODEC = {"2bit": _KIND_2BIT, "base3": _KIND_BASE3}
+_CODEC_OF_KIND = {v: k for k, v in _KIND_OF_CODEC.items()}
+_DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 1,
+    torch.float64: 2,
+    torch.float16: 3,
+    torch.bfloat16: 4,
+}
+_DTYPE_OF_CODE = {v: k for k, v in _DTYPE_CODES.items()}
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().contiguous().reshape(-1)
+    array: Any = flat.view(torch.uint8).numpy()
+    return memoryview(array).cast("B")
+
+
+def _entry_header(name: str, payload: Payload, ctx: Context) -> bytes:
+    name_bytes = name.encode("utf-8")
+    if len(name_bytes) > MAX_NAME_BYTES:
+        raise ValueError(f"tensor name {name[:40]!r}... is longer than {MAX_NAME_BYTES} bytes")
+    if len(ctx.shape) > MAX_NDIM:
+        raise ValueError(f"tensor {name!r} has {len(ctx.shape)} > {MAX_NDIM} dimensions")
+    if ctx.dtype not in _DTYPE_CODES:
+        raise ValueError(f"tensor {name!r} has unsupported dtype {ctx.dtype}")
+    kind = _KIND_DENSE if isinstance(payload, DensePayload) else _KIND_OF_CODEC[payload.codec]
+    parts = [
+        struct.pack("<H", len(name_bytes)),
+        name_bytes,
+        struct.pack("<BBB", _DTYPE_CODES[ctx.dtype], kind, len(ctx.shape)),
+        struct.pack(f"<{len(ctx.shape)}Q", *ctx.shape),
+    ]
+    if isinstance(payload, TernaryPayload):
+        parts.append(struct.pack("<f", payload.scale))
+    return b"".join(parts)
+
+
+def _entry_data(name: str, payload: Payload, ctx: Context) -> memoryview:
+    if isinstance(payload, DensePayload):
+        if tuple(payload.values.shape) != ctx.shape or payload.values.dtype != ctx.dtype:
+            raise ValueError(f"tensor {name!r}: dense payload does not match its context")
+        return _raw_bytes(payload.values)
+    if payload.numel != ctx.numel or payload.codes.numel() != packed_size(
+        payload.numel, payload.codec
+    ):
+        raise ValueError(f"tensor {name!r}: ternary payload size does not match its context")
+    return _raw_bytes(payload.codes)
+
+
+def encode_update(
+    named_tensors: Mapping[str, torch.Tensor],
+    compressor: Compressor,
+    memory: Memory | None = None,
+    *,
+    scales: Mapping[str, float] | None = None,
+) -> bytes:
+    """Compress and serialise ``named_tensors`` into one message.
+
+    Parameters
+    ----------
+    named_tensors:
+        Tensors by name (encoded in the mapping's order).
+    compressor:
+        Any :class:`Compressor`.
+    memory:
+        Error-feedback memory: each tensor is ``memory.compensate``-d before
+        compression and ``memory.update``-d after, but only once every tensor
+        compressed successfully (a failure leaves the memory unchanged).
+    scales:
+        Optional shared scalers by name, passed to ``compressor.compress(scale=)``.
+
+    Returns
+    -------
+    bytes
+        The message (layout in the module docstring).
+
+    Raises
+    ------
+    ValueError
+        Naming the tensor: non-finite values, bad scale, name too long, ...
+    """
+    if not isinstance(compressor, Compressor):
+        raise TypeError(f"compressor must be a Compressor, got {type(compressor).__name__}")
+    if len(named_tensors) > MAX_TENSORS:
+        raise ValueError(f"{len(named_tensors)} tensors exceed the limit of {MAX_TENSORS}")
+    unknown = set(scales or {}) - set(named_tensors)
+    if unknown:
+        raise ValueError(f"scales given for unknown tensors: {sorted(unknown)}")
+    headers: list[bytes] = []
+    data: list[memoryview] = []
+    pending: list[tuple[str, torch.Tensor, Payload, Context]] = []
+    for name, tensor in named_tensors.items():
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names must be str, got {type(name).__name__}")
+        try:
+            compensated = tensor if memory is None else memory.compensate(name, tensor)
+            scale = None if scales is None else scales.get(name)
+            payload, ctx = compressor.compress(compensated, scale=scale)
+            headers.append(_entry_header(name, payload, ctx))
+            data.append(_entry_data(name, payload, ctx))
+        except (ValueError, TypeError) as error:
+            if str(error).startswith(f"tensor {name!r}"):
+                raise
+            kind = ValueError if isinstance(error, ValueError) else TypeError
+            raise kind(f"tensor {name!r}: {error}") from error
+        pending.append((name, compensated, payload, ctx))
+    if memory is not None:
+        updates = [
+            (name, compensated, compressor.decompress(payload, ctx))
+            for name, compensated, payload, ctx in pending
+        ]
+        for name, compensated, decompressed in updates:
+            memory.update(name, compensated, decompressed)
+    body_length = sum(len(h) for h in headers) + sum(d.nbytes for d in data)
+    total = _PREFIX.size + body_length + _CRC.size
+    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(headers), total)
+    crc = zlib.crc32(prefix)
+    for header in headers:
+        crc = zlib.crc32(header, crc)
+    for part in data:
+        crc = zlib.crc32(part, crc)
+    return b"".join([prefix, *headers, *data, _CRC.pack(crc)])
+
+
+class _Reader:
+    """Bounds-checked sequential reads of the header."""
+
+    def __init__(self, data: memoryview, start: int, end: int) -> None:
+        self.data, self.pos, self.end = data, start, end
+
+    def take(self, size: int, what: str) -> memoryview:
+        if self.pos + size > self.end:
+            raise PayloadError(f"truncated header while reading {what}")
+        view = self.data[self.pos : self.pos + size]
+        self.pos += size
+        return view
+
+    def unpack(self, fmt: str, what: str) -> tuple[Any, ...]:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))
+
+
+def _check_prefix(view: memoryview) -> int:
+    if len(view) < _PREFIX.size + _CRC.size:
+        raise PayloadError(f"truncated: {len(view)} bytes is shorter than the fixed header")
+    magic, version, flags, count, total = _PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise PayloadError(f"wrong magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise PayloadError(f"unsupported version {version}, expected {FORMAT_VERSION}")
+    if len(view) < total:
+        raise PayloadError(f"truncated: header declares {total} bytes, got {len(view)}")
+    if len(view) > total:
+        raise PayloadError(f"{len(view) - total} trailing bytes after the declared {total}")
+    (crc,) = _CRC.unpack_from(view, total - _CRC.size)
+    if zlib.crc32(view[: total - _CRC.size]) != crc:
+        raise PayloadError("CRC mismatch: the message is corrupted")
+    if flags != 0:
+        raise PayloadError(f"unknown flags {flags:#x}")
+    if count > MAX_TENSORS or count * _MIN_ENTRY > total - _PREFIX.size - _CRC.size:
+        raise PayloadError(f"implausible tensor count {count}")
+    return int(count)
+
+
+def _parse_entries(
+    view: memoryview, count: int
+) -> tuple[list[tuple[str, torch.dtype, int, tuple[int, ...], float]], int]:
+    end = len(view) - _CRC.size
+    reader = _Reader(view, _PREFIX.size, end)
+    entries = []
+    seen: set[str] = set()
+    for index in range(count):
+        (name_length,) = reader.unpack("<H", f"name length of entry {index}")
+        if name_length > MAX_NAME_BYTES:
+            raise PayloadError(f"entry {index}: {name_length}-byte name exceeds {MAX_NAME_BYTES}")
+        try:
+            name = bytes(reader.take(name_length, f"name of entry {index}")).decode("utf-8")
+        except UnicodeDecodeError:
+            raise PayloadError(f"entry {index}: name is not valid UTF-8") from None
+        if name in seen:
+            raise PayloadError(f"tensor name {name!r} is repeated")
+        seen.add(name)
+        dtype_code, kind, ndim = reader.unpack("<BBB", f"{name!r} header")
+        if dtype_code not in _DTYPE_OF_CODE:
+            raise PayloadError(f"tensor {name!r}: unknown dtype code {dtype_code}")
+        if kind not in (_KIND_DENSE, _KIND_2BIT, _KIND_BASE3):
+            raise PayloadError(f"tensor {name!r}: unknown kind {kind}")
+        if ndim > MAX_NDIM:
+            raise PayloadError(f"tensor {name!r}: {ndim} dimensions exceed {MAX_NDIM}")
+        shape = tuple(reader.unpack(f"<{ndim}Q", f"shape of {name!r}"))
+        if any(dim > MAX_DIM for dim in shape):
+            raise PayloadError(f"tensor {name!r}: a dimension of {shape} exceeds {MAX_DIM}")
+        scale = 0.0
+        if kind != _KIND_DENSE:
+            (raw_scale,) = reader.unpack("<f", f"scale of {name!r}")
+            if not math.isfinite(raw_scale):
+                raise PayloadError(f"tensor {name!r}: non-finite scale {raw_scale}")
+            if raw_scale < 0:
+                raise PayloadError(f"tensor {name!r}: negative scale {raw_scale}")
+            scale = raw_scale
+        entries.append((name, _DTYPE_OF_CODE[dtype_code], kind, shape, scale))
+    return entries, reader.pos
+
+
+def _data_size(dtype: torch.dtype, kind: int, numel: int) -> int:
+    if kind == _KIND_DENSE:
+        return numel * torch.empty(0, dtype=dtype).element_size()
+    return packed_size(numel, _CODEC_OF_KIND[kind])
+
+
+def decode_update(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+    """Decode a message of :func:`encode_update` into tensors by name.
+
+    The tensors have the original shapes and dtypes and own their memory.
+
+    Raises
+    ------
+    PayloadError
+        For any malformed input (the message names the problem); nothing is
+        returned partially decoded.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise PayloadError(f"expected bytes, got {type(data).__name__}")
+    try:
+        view = memoryview(data).cast("B")
+    except TypeError as error:
+        raise PayloadError(f"data is not a flat byte buffer: {error}") from None
+    count = _check_prefix(view)
+    entries, data_start = _parse_entries(view, count)
+    sizes = [_data_size(dtype, kind, math.prod(shape)) for _, dtype, kind, shape, _ in entries]
+    available = len(view) - _CRC.size - data_start
+    if sum(sizes) != available:
+        raise PayloadError(
+            f"declared shapes need {sum(sizes)} data bytes but {available} are present"
+        )
+    result: dict[str, torch.Tensor] = {}
+    offset = data_start
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we copy out of it
+        for (name, dtype, kind, shape, scale), size in zip(entries, sizes, strict=True):
+            raw = (
+                torch.frombuffer(view, dtype=torch.uint8, count=size, offset=offset)
+                if size
+                else torch.empty(0, dtype=torch.uint8)
+            )
+            offset += size
+            numel = math.prod(shape)
+            if kind == _KIND_DENSE:
+                result[name] = raw.clone().view(dtype).reshape(shape)
+                continue
+            codec = _CODEC_OF_KIND[kind]
+            problem = find_invalid_codes(raw, numel, codec)
+            if problem is not None:
+                raise PayloadError(f"tensor {name!r}: {problem}")
+            result[name] = unpack_codes(raw, numel, scale, codec).to(dtype).reshape(shape)
+    return result
