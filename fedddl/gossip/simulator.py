@@ -1,0 +1,283 @@
+"""Discrete-event simulator of gossip SGD with real training under a virtual clock.
+
+Every node trains a real model on its own shard (real SGD steps, real test
+accuracy); only time is simulated.  A heap of events ordered by virtual time
+(ties in insertion order) drives the run:
+
+``step``
+    A node finishes an SGD step (``compute_time_s`` per step, per node).  Every
+    ``exchange_every`` steps it may share its model:
+
+    * *no overlap* (baseline, classic gossip): it sends a snapshot to the peer
+      its scheduler picks and blocks; its next step starts when the message is
+      delivered (queueing on a busy receiver downlink included);
+    * *overlap* (scheduled): only if its uplink is free (so a model never waits
+      behind an older one) it sends a snapshot to the chosen peer and keeps
+      computing at once -- double buffering: one model in flight, one in training.
+``recv_start`` / ``arrive``
+    A transfer starts / is delivered (times from :class:`fedddl.network.LinkScheduler`).
+    On delivery the receiver averages the snapshot in (:func:`merge_models`,
+    weight ``merge_weight``) and the sender's estimator observes the time on the
+    wire.  The merge is *stale* when ``receiver clock - received clock >
+    stale_threshold_steps`` (step clocks: +1 per step, max on merge).
+``eval``
+    Every ``eval_interval_s`` all nodes are evaluated on a fixed test subset;
+    the curve holds the mean accuracy.
+
+With the ``scheduled`` scheduler each node broadcasts its
+:class:`~fedddl.gossip.scheduler.PeerState` at time 0 and whenever its
+communication-enabled flag flips (start and end of every model it receives);
+others see it after the link latency (:class:`StatusBoard`).  Those bytes count
+in ``bytes_total`` next to the model messages (``messages * model_bytes``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedddl.gossip.estimator import CommTimeEstimator
+from fedddl.gossip.scheduler import PeerState, Scheduler, get_scheduler
+from fedddl.gossip.sim_config import GossipConfig
+from fedddl.gossip.sim_setup import SimSetup, build_setup
+from fedddl.gossip.sim_status import StatusBoard
+from fedddl.network import LinkScheduler, NetworkModel, Transfer, load_network
+from fedddl.training import evaluate
+
+__all__ = ["GossipSimulation", "run_gossip"]
+
+ProgressFn = Callable[[str], None]
+
+
+@dataclass
+class _Message:
+    transfer: Transfer
+    state: dict[str, torch.Tensor]
+    version: int
+
+
+class GossipSimulation:
+    """One run; :meth:`run` returns the result dict (see :func:`run_gossip`)."""
+
+    def __init__(
+        self,
+        config: GossipConfig,
+        setup: SimSetup,
+        network: NetworkModel,
+        progress: ProgressFn | None = None,
+    ) -> None:
+        self.config = config
+        self.setup = setup
+        self.nodes = setup.nodes
+        self.network = network
+        self.progress = progress
+        self.links = LinkScheduler(network)
+        kwargs = (
+            {"stale_threshold_steps": config.stale_threshold_steps, "selection": config.selection}
+            if config.scheduler == "scheduled"
+            else {}
+        )
+        self.scheduler: Scheduler = get_scheduler(config.scheduler, **kwargs)
+        self.shares_status = config.scheduler == "scheduled"
+        n = len(self.nodes)
+        self.estimators = [CommTimeEstimator(alpha=config.estimator_alpha) for _ in range(n)]
+        self.rngs = [np.random.default_rng([config.seed, i, 1]) for i in range(n)]
+        self.board = StatusBoard(network)
+        self.receiving = [0] * n  # transfers in progress into each node
+        self._queue: list[tuple[float, int, str, Any]] = []
+        self._seq = itertools.count()
+        self.messages = 0
+        self.stale_merges = 0
+        self.merges = 0
+        self.merge_lags: list[int] = []  # receiver clock - received clock, per merge
+        self.deferred = 0
+        self.curve: list[list[float]] = []
+        self.time_to_target: float | None = None
+
+    # ---------------------------------------------------------------- events
+    def _push(self, time_s: float, kind: str, data: Any = None) -> None:
+        heapq.heappush(self._queue, (time_s, next(self._seq), kind, data))
+
+    def _state(self, node: int, time_s: float) -> PeerState:
+        sim_node = self.nodes[node]
+        est = self.estimators[node]
+        model_bytes = self.setup.model_bytes
+        shared = {
+            p: est.estimate(p, model_bytes) for p in range(len(self.nodes)) if est.observed(p)
+        }
+        speed = sim_node.steps / time_s if time_s > 0 else 1.0 / sim_node.step_time_s
+        return PeerState(node, self.receiving[node] == 0, sim_node.version, shared, speed)
+
+    def _publish(self, node: int, time_s: float) -> None:
+        if self.shares_status:
+            self.board.publish(self._state(node, time_s), time_s)
+
+    def _peers(self, me: int, time_s: float) -> dict[int, PeerState]:
+        if self.shares_status:
+            peers = self.board.view(me, time_s)
+        else:  # classic gossip uses no shared state
+            peers = {i: PeerState(i, True, 0) for i in range(len(self.nodes))}
+        peers[me] = self._state(me, time_s)
+        return peers
+
+    def _on_step(self, node: int, now: float) -> None:
+        sim_node = self.nodes[node]
+        sim_node.sgd_step()
+        next_start = now
+        wants_send = sim_node.steps % self.config.exchange_every == 0
+        overlap = self.config.overlaps
+        if wants_send and (not overlap or not self.links.uplink_busy(node, now)):
+            peer = self.scheduler.choose_peer(
+                node, self._peers(node, now), self.setup.model_bytes,
+                self.estimators[node], self.rngs[node],
+            )
+            if peer is None:
+                self.deferred += 1
+            else:
+                transfer = self.links.reserve(node, peer, self.setup.model_bytes, now)
+                message = _Message(transfer, sim_node.snapshot(), sim_node.version)
+                self._push(transfer.start_s, "recv_start", message)
+                self._push(transfer.end_s, "arrive", message)
+                if not overlap:
+                    return  # the next step is scheduled on delivery
+        self._push(next_start + sim_node.step_time_s, "step", node)
+
+    def _on_recv_start(self, message: _Message, now: float) -> None:
+        dst = message.transfer.dst
+        self.receiving[dst] += 1
+        if self.receiving[dst] == 1:
+            self._publish(dst, now)
+
+    def _on_arrive(self, message: _Message, now: float) -> None:
+        transfer = message.transfer
+        receiver = self.nodes[transfer.dst]
+        lag = receiver.version - message.version
+        self.merge_lags.append(lag)
+        if lag > self.config.stale_threshold_steps:
+            self.stale_merges += 1
+        receiver.merge(message.state, message.version, self.config.merge_weight)
+        self.merges += 1
+        self.messages += 1
+        self.estimators[transfer.src].observe(transfer.dst, transfer.num_bytes, transfer.duration_s)
+        self.receiving[transfer.dst] -= 1
+        if self.receiving[transfer.dst] == 0:
+            self._publish(transfer.dst, now)
+        if not self.config.overlaps:
+            sender = self.nodes[transfer.src]
+            self._push(now + sender.step_time_s, "step", transfer.src)
+
+    def _on_eval(self, now: float) -> bool:
+        accs = [
+            evaluate(n.model, self.setup.x_test, self.setup.y_test)[1] for n in self.nodes
+        ]
+        mean = float(np.mean(accs))
+        self.curve.append([now, mean])
+        reached = self.time_to_target is None and mean >= self.config.target_accuracy
+        if reached:
+            self.time_to_target = now
+        if self.progress is not None:
+            self.progress(
+                f"[gossip {self.config.scheduler}/{self.network.name}] t={now:8.2f}s"
+                f" acc={mean:.4f} steps={sum(n.steps for n in self.nodes)}"
+                f" msgs={self.messages} stale={self.stale_merges}"
+            )
+        return reached and self.config.stop_at_target
+
+    # ---------------------------------------------------------------- run
+    def run(self) -> dict[str, Any]:
+        """Simulate until ``max_virtual_time_s``; returns the result dict."""
+        wall_start = time.perf_counter()
+        cfg = self.config
+        for i, node in enumerate(self.nodes):
+            self._publish(i, 0.0)
+            self._push(node.step_time_s, "step", i)
+        num_evals = int(np.floor(cfg.max_virtual_time_s / cfg.eval_interval_s + 1e-9))
+        eval_times = [k * cfg.eval_interval_s for k in range(num_evals + 1)]
+        if eval_times[-1] < cfg.max_virtual_time_s - 1e-9:
+            eval_times.append(cfg.max_virtual_time_s)
+        for t in eval_times:
+            self._push(t, "eval")
+        now = 0.0
+        while self._queue:
+            now, _, kind, data = heapq.heappop(self._queue)
+            if now > cfg.max_virtual_time_s:
+                break
+            if kind == "step":
+                self._on_step(data, now)
+            elif kind == "recv_start":
+                self._on_recv_start(data, now)
+            elif kind == "arrive":
+                self._on_arrive(data, now)
+            elif self._on_eval(now):
+                break
+        model_bytes = self.setup.model_bytes
+        model_total = self.messages * model_bytes
+        return {
+            "config": cfg.to_dict(),
+            "curve": self.curve,
+            "time_to_target_s": self.time_to_target,
+            "bytes_total": model_total + self.board.bytes,
+            "messages": self.messages,
+            "stale_merges": self.stale_merges,
+            "final_accuracy": self.curve[-1][1],
+            "model_bytes": model_bytes,
+            "model_bytes_total": model_total,
+            "status_messages": self.board.messages,
+            "status_bytes_total": self.board.bytes,
+            "merges": self.merges,
+            "merge_lag_mean": float(np.mean(self.merge_lags)) if self.merge_lags else None,
+            "merge_lag_max": max(self.merge_lags, default=None),
+            "deferred_sends": self.deferred,
+            "steps_total": sum(n.steps for n in self.nodes),
+            "steps_per_node": [n.steps for n in self.nodes],
+            "step_time_s": [n.step_time_s for n in self.nodes],
+            "network": self.network.name,
+            "overlap": cfg.overlaps,
+            "wall_time_s": time.perf_counter() - wall_start,
+        }
+
+
+def run_gossip(
+    config: GossipConfig | Mapping[str, Any], *, progress: ProgressFn | None = None
+) -> dict[str, Any]:
+    """Run one simulation and return its result.
+
+    Parameters
+    ----------
+    config
+        A :class:`GossipConfig` or a mapping of its fields.
+    progress
+        Called with one line per evaluation (e.g. ``print`` to stderr); ``None`` = silent.
+
+    Returns
+    -------
+    dict
+        ``config``, ``curve`` (``[[virtual_time_s, mean_test_accuracy], ...]``),
+        ``time_to_target_s`` (``None`` if never reached), ``bytes_total``,
+        ``messages``, ``stale_merges``, ``final_accuracy``, and details
+        (``model_bytes``, ``status_bytes_total``, ``steps_total``, ``wall_time_s``, ...).
+    """
+    cfg = config if isinstance(config, GossipConfig) else GossipConfig.from_mapping(config)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small models: threads cost more than they give
+    try:
+        network = load_network(cfg.network, cfg.nodes, seed=cfg.seed)
+        setup = build_setup(cfg)
+        if len(setup.nodes) != network.num_nodes:
+            raise ValueError(f"{len(setup.nodes)} nodes but a {network.num_nodes}-node network")
+        return GossipSimulation(cfg, setup, network, progress).run()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def stderr_progress(line: str) -> None:
+    """Progress callback writing to stderr."""
+    print(line, file=sys.stderr, flush=True)
