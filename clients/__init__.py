@@ -1,0 +1,1 @@
+"""Flower client side of fedddl: the ClientApp (``clients.client_app:app``) and helpers."""

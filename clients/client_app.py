@@ -1,0 +1,87 @@
+"""The fedddl ClientApp: one app for TernGrad, GradientAverage and stock FedAvg messages.
+
+``app`` (used by ``flwr run``) reads its :class:`~fedddl.app_config.AppConfig`
+from ``context.run_config``; :func:`make_client_app` binds a given config (the
+in-process ``fedddl simulate`` path, where ``run_config`` is empty).
+A TRAIN message whose ``config`` record has ``model-version`` follows the
+localized-replica protocol; one with an ``arrays`` record is FedAvg.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+
+from clients.fedavg_client import handle_fedavg_evaluate, handle_fedavg_train
+from clients.localized import handle_localized_train
+from fedddl.app_config import AppConfig
+
+__all__ = ["app", "handle_train", "make_client_app"]
+
+
+def handle_train(message: Message, context: Context, cfg: AppConfig) -> Message:
+    """Dispatch a TRAIN message to the protocol it belongs to.
+
+    With ``FEDDDL_CLIENT_TIMING=1`` in the environment, the reply's ``metrics`` record
+    also carries ``client-s``: seconds spent in this handler (a diagnostic; it adds a
+    few bytes to every reply).
+    """
+    _single_thread()
+    start = time.perf_counter()
+    reply = _dispatch(message, context, cfg)
+    if os.environ.get("FEDDDL_CLIENT_TIMING") == "1" and not reply.has_error():
+        metrics = reply.content.metric_records.get("metrics")
+        if metrics is not None:
+            metrics["client-s"] = time.perf_counter() - start
+    return reply
+
+
+def _dispatch(message: Message, context: Context, cfg: AppConfig) -> Message:
+    config = message.content.config_records.get("config")
+    if config is not None and "model-version" in config:
+        return handle_localized_train(message, context, cfg)
+    if "arrays" in message.content.array_records:
+        return handle_fedavg_train(message, context, cfg)
+    raise ValueError(
+        "train message is neither the localized protocol (config.model-version) "
+        "nor FedAvg (an 'arrays' ArrayRecord)"
+    )
+
+
+def _single_thread() -> None:
+    """One intra-op thread per client: many small clients share the cores."""
+    import torch
+
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
+def make_client_app(cfg: AppConfig | None = None) -> ClientApp:
+    """Build a ClientApp bound to ``cfg`` (None: read ``context.run_config`` each message)."""
+    client = ClientApp()
+
+    def config_of(context: Context) -> AppConfig:
+        run_cfg = cfg if cfg is not None else AppConfig.from_run_config(context.run_config)
+        run_cfg.import_plugins()
+        return run_cfg
+
+    @client.train()
+    def train(message: Message, context: Context) -> Message:
+        return handle_train(message, context, config_of(context))
+
+    @client.evaluate()
+    def evaluate(message: Message, context: Context) -> Message:
+        _single_thread()
+        return handle_fedavg_evaluate(message, context, config_of(context))
+
+    # Gossip mode: membership/status queries from the coordinator; the models go peer to peer.
+    from clients.gossip_client import handle_gossip
+
+    client.query("gossip")(handle_gossip)
+    return client
+
+
+app = make_client_app()

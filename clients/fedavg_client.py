@@ -1,0 +1,64 @@
+"""Client side of stock Flower FedAvg: receive weights, train K local steps, return weights."""
+
+from __future__ import annotations
+
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+
+from clients.localized import model_factory
+from clients.shard import load_shard, partition_of
+from fedddl.app_config import AppConfig
+from strategies.strategy_utils import derive_seed
+
+__all__ = ["handle_fedavg_evaluate", "handle_fedavg_train"]
+
+
+def _model_from(message: Message, cfg: AppConfig) -> torch.nn.Module:
+    arrays = message.content.array_records.get("arrays")
+    if arrays is None:
+        raise ValueError("FedAvg message has no 'arrays' ArrayRecord")
+    model = model_factory(cfg)()
+    model.load_state_dict(arrays.to_torch_state_dict(), strict=True)
+    return model
+
+
+def handle_fedavg_train(message: Message, context: Context, cfg: AppConfig) -> Message:
+    """Load the global weights, run ``local-steps`` SGD steps on the shard, reply weights."""
+    from fedddl.training import compute_gradients, iterate_minibatches
+
+    model = _model_from(message, cfg)
+    pid, num = partition_of(context.node_config)
+    x, y = load_shard(cfg, pid, num)
+    config = message.content.config_records.get("config")
+    server_round = int(config.get("server-round", 0)) if config is not None else 0  # type: ignore[arg-type]
+    generator = torch.Generator().manual_seed(derive_seed(cfg.seed, pid, server_round, 3))
+    batches = iterate_minibatches(x, y, min(cfg.batch_size, x.shape[0]), generator)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.learning_rate, momentum=cfg.momentum)
+    losses = []
+    examples = 0
+    for _ in range(cfg.local_steps):
+        xb, yb = next(batches)
+        losses.append(compute_gradients(model, xb, yb))
+        optimizer.step()
+        examples += int(xb.shape[0])
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord(model.state_dict()),
+            "metrics": MetricRecord(
+                {"num-examples": examples, "train-loss": sum(losses) / len(losses)}
+            ),
+        }
+    )
+    return Message(content=content, reply_to=message)
+
+
+def handle_fedavg_evaluate(message: Message, context: Context, cfg: AppConfig) -> Message:
+    """Evaluate the received weights on the client's shard."""
+    from fedddl.training import evaluate
+
+    model = _model_from(message, cfg)
+    pid, num = partition_of(context.node_config)
+    x, y = load_shard(cfg, pid, num)
+    loss, acc = evaluate(model, x, y)
+    metrics = MetricRecord({"num-examples": int(x.shape[0]), "eval-loss": loss, "eval-acc": acc})
+    return Message(content=RecordDict({"metrics": metrics}), reply_to=message)

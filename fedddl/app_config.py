@@ -1,0 +1,215 @@
+"""Typed run configuration of the fedddl Flower app.
+
+One :class:`AppConfig` describes a whole run (strategy, data, optimiser,
+compression). It is built from Flower's ``run_config`` (the
+``[tool.flwr.app.config]`` table of ``pyproject.toml``, kebab-case keys) by
+:meth:`AppConfig.from_run_config`, or directly in Python (the in-process
+``fedddl simulate`` path, where Flower's ``run_simulation`` gives an empty
+``run_config``). Unknown keys and badly typed values raise ``ValueError`` naming
+the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = ["DOWNLINKS", "PARTITIONS", "AppConfig"]
+
+# Keys of the gossip mode share the Flower run config but not this dataclass.
+GOSSIP_KEY_PREFIX = "gossip-"
+
+PARTITIONS: tuple[str, ...] = ("stratified", "random", "dirichlet")
+DOWNLINKS: tuple[str, ...] = ("reternarize", "shared-scale-sum")
+BUILTIN_STRATEGIES: tuple[str, ...] = ("terngrad", "gradient-average", "fedavg")
+
+
+def _kebab(name: str) -> str:
+    return name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    """Configuration of one federated run.
+
+    Attributes
+    ----------
+    num_server_rounds : int
+        Number of rounds (one aggregated update each).
+    strategy : str
+        ``"terngrad"``, ``"gradient-average"``, ``"fedavg"`` or ``"module:Class"``.
+    dataset : str
+        Dataset name (see :data:`fedddl.data.DATASETS`).
+    data_root : str
+        Data directory; empty means the default.
+    arch : str
+        Model architecture; empty means the dataset's default.
+    partition : str
+        Shard method: ``"stratified"``, ``"random"`` or ``"dirichlet"``.
+    dirichlet_alpha : float
+        Concentration of the Dirichlet partition.
+    seed : int
+        Shared seed of the model initialisation, shards and sampling.
+    learning_rate, momentum : float
+        SGD parameters of the shared optimiser (applied identically by every replica).
+    batch_size : int
+        Minibatch size of each client per local step.
+    local_steps : int
+        Local steps per round; their accumulated pseudo-gradient is what is sent.
+    fraction_train : float
+        Fraction of clients sampled per round, in (0, 1].
+    compressor : str
+        Registered uplink compressor name (TernGrad); GradientAverage forces ``identity``.
+    downlink : str
+        ``"reternarize"`` or ``"shared-scale-sum"``.
+    clip_sigma : float
+        Ternary gradient clipping, in standard deviations.
+    error_feedback : bool
+        Keep a residual memory on each client for the uplink.
+    update_log_size : int
+        Encoded broadcast updates the server keeps for catch-up; further behind gets a snapshot.
+    min_available_nodes : int
+        Nodes the server waits for before the first round.
+    results_path : str
+        When not empty, the ServerApp writes the run's JSON there.
+    plugins : str
+        Comma-separated modules imported by the ServerApp and every ClientApp before
+        the run (e.g. to register a custom compressor by name).
+    """
+
+    num_server_rounds: int = 100
+    strategy: str = "terngrad"
+    dataset: str = "digits"
+    data_root: str = ""
+    arch: str = ""
+    partition: str = "stratified"
+    dirichlet_alpha: float = 0.5
+    seed: int = 0
+    learning_rate: float = 0.1
+    momentum: float = 0.9
+    batch_size: int = 32
+    local_steps: int = 1
+    fraction_train: float = 1.0
+    compressor: str = "ternary-base3"
+    downlink: str = "reternarize"
+    clip_sigma: float = 2.5
+    error_feedback: bool = False
+    update_log_size: int = 8
+    min_available_nodes: int = 2
+    results_path: str = ""
+    plugins: str = ""
+
+    def __post_init__(self) -> None:
+        """Validate every field; raise ``ValueError`` naming the bad key."""
+        if self.num_server_rounds < 1:
+            raise ValueError(f"num-server-rounds must be >= 1, got {self.num_server_rounds}")
+        if self.partition not in PARTITIONS:
+            raise ValueError(
+                f"partition must be one of {', '.join(PARTITIONS)}, got {self.partition!r}"
+            )
+        if self.downlink not in DOWNLINKS:
+            raise ValueError(
+                f"downlink must be one of {', '.join(DOWNLINKS)}, got {self.downlink!r}"
+            )
+        if self.strategy not in BUILTIN_STRATEGIES and ":" not in self.strategy:
+            raise ValueError(
+                f"strategy must be one of {', '.join(BUILTIN_STRATEGIES)} or 'module:Class', "
+                f"got {self.strategy!r}"
+            )
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning-rate must be > 0, got {self.learning_rate}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch-size must be >= 1, got {self.batch_size}")
+        if self.local_steps < 1:
+            raise ValueError(f"local-steps must be >= 1, got {self.local_steps}")
+        if not 0 < self.fraction_train <= 1:
+            raise ValueError(f"fraction-train must be in (0, 1], got {self.fraction_train}")
+        if not self.dirichlet_alpha > 0:
+            raise ValueError(f"dirichlet-alpha must be > 0, got {self.dirichlet_alpha}")
+        if not self.clip_sigma > 0:
+            raise ValueError(f"clip-sigma must be > 0, got {self.clip_sigma}")
+        if self.update_log_size < 0:
+            raise ValueError(f"update-log-size must be >= 0, got {self.update_log_size}")
+        if self.min_available_nodes < 1:
+            raise ValueError(f"min-available-nodes must be >= 1, got {self.min_available_nodes}")
+
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, Any]) -> AppConfig:
+        """Build from a Flower ``run_config`` (kebab-case keys); missing keys keep defaults.
+
+        Raises
+        ------
+        ValueError
+            On an unknown key or a value of the wrong type.
+        """
+        by_key = {_kebab(f.name): f for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in run_config.items():
+            if key.startswith(GOSSIP_KEY_PREFIX):
+                continue  # gossip mode's keys, read by strategies.gossip_coordinator
+            f = by_key.get(key)
+            if f is None:
+                raise ValueError(
+                    f"unknown config key {key!r}; expected one of {', '.join(sorted(by_key))}"
+                )
+            kwargs[f.name] = _coerce(key, value, f.default)
+        return cls(**kwargs)
+
+    def to_run_config(self) -> dict[str, Any]:
+        """Return the kebab-case mapping (JSON-friendly) of every field."""
+        return {_kebab(f.name): getattr(self, f.name) for f in fields(self)}
+
+    def import_plugins(self) -> None:
+        """Import every module named in ``plugins``.
+
+        Raises
+        ------
+        ValueError
+            Naming a module that cannot be imported.
+        """
+        import importlib
+
+        for name in (m.strip() for m in self.plugins.split(",")):
+            if not name:
+                continue
+            try:
+                importlib.import_module(name)
+            except ImportError as err:
+                raise ValueError(f"plugins: cannot import {name!r}: {err}") from err
+
+    def replace(self, **changes: Any) -> AppConfig:
+        """Return a copy with ``changes`` (snake_case field names) applied."""
+        return dataclasses.replace(self, **changes)
+
+
+def _coerce(key: str, value: Any, default: Any) -> Any:
+    """Convert ``value`` to the type of ``default``; raise ``ValueError`` naming ``key``."""
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise ValueError(f"config key {key!r} must be a boolean, got {value!r}")
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise ValueError(f"config key {key!r} must be an integer, got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"config key {key!r} must be an integer, got {value!r}") from None
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise ValueError(f"config key {key!r} must be a number, got {value!r}")
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"config key {key!r} must be a number, got {value!r}") from None
+    if not isinstance(value, str):
+        raise ValueError(f"config key {key!r} must be a string, got {value!r}")
+    return value

@@ -1,0 +1,185 @@
+"""Encoding of the broadcast (downlink) update, shared by the server and every client.
+
+Two formats, told apart by the first byte:
+
+``b"E"`` + :func:`fedddl.compression.encode_update` bytes
+    The aggregate re-encoded with a compressor (``downlink = "reternarize"``: the
+    ternary compressor with server-side error feedback; GradientAverage: fp32 identity).
+
+``b"S"`` shared-scale sum (``downlink = "shared-scale-sum"``)
+    When all N contributing clients ternarised tensor ``k`` with the same scale
+    ``s_k``, the sum of their codes is an integer in ``[-N, N]``; it is sent as
+    ``sum + N`` in ``ceil(log2(2N + 1))`` bits per value and decodes to
+    ``s_k * sum / N``: exactly the mean of the clients' decoded gradients, with no
+    second quantisation. Layout (little-endian)::
+
+        b"S", u16 N, u32 count,
+        count x (u16 name length, name, u8 ndim, ndim x u32 dims, f32 scale, u8 bits),
+        packed data of every entry (ceil(numel * bits / 8) bytes each), u32 crc32
+
+Both decode with :func:`decode_broadcast`, which raises
+:class:`~fedddl.compression.PayloadError` on anything malformed.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from fedddl.compression import Compressor, Memory, PayloadError, decode_update, encode_update
+
+__all__ = [
+    "TAG_ENCODED",
+    "TAG_SHARED_SUM",
+    "decode_broadcast",
+    "encode_reencoded",
+    "encode_shared_sum",
+    "shared_sum_bits",
+    "ternary_codes",
+]
+
+TAG_ENCODED = b"E"
+TAG_SHARED_SUM = b"S"
+_HEAD = struct.Struct("<cHI")
+_CRC = struct.Struct("<I")
+
+
+def encode_reencoded(
+    aggregate: Mapping[str, torch.Tensor], compressor: Compressor, memory: Memory | None
+) -> bytes:
+    """Encode ``aggregate`` with ``compressor`` (and error-feedback ``memory``)."""
+    return TAG_ENCODED + encode_update(aggregate, compressor, memory)
+
+
+def shared_sum_bits(num_contributions: int) -> int:
+    """Bits per value of a sum of ``num_contributions`` ternary codes: ``ceil(log2(2N+1))``."""
+    if num_contributions < 1:
+        raise ValueError(f"num_contributions must be >= 1, got {num_contributions}")
+    return max(1, math.ceil(math.log2(2 * num_contributions + 1)))
+
+
+def ternary_codes(decoded: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """Return int8 codes ``c`` with ``decoded == scale * c``; None if not ternary at ``scale``."""
+    if scale <= 0 or not math.isfinite(scale):
+        return None
+    flat = decoded.reshape(-1).to(torch.float32)
+    s = torch.tensor(scale, dtype=torch.float32)
+    plus, minus, zero = flat == s, flat == -s, flat == 0
+    if not bool((plus | minus | zero).all()):
+        return None
+    return plus.to(torch.int8) - minus.to(torch.int8)
+
+
+def encode_shared_sum(
+    sums: Mapping[str, torch.Tensor],
+    scales: Mapping[str, float],
+    shapes: Mapping[str, Sequence[int]],
+    num_contributions: int,
+) -> bytes:
+    """Pack integer code sums (flat, in ``[-N, N]``) with their shared scales.
+
+    Raises
+    ------
+    ValueError
+        If a sum is out of range or names do not match.
+    """
+    n = num_contributions
+    bits = shared_sum_bits(n)
+    if set(sums) != set(scales) or set(sums) != set(shapes):
+        raise ValueError("sums, scales and shapes must have the same names")
+    headers: list[bytes] = []
+    blobs: list[bytes] = []
+    for name, total in sums.items():
+        values = total.reshape(-1).to(torch.int64)
+        if values.numel() and (int(values.min()) < -n or int(values.max()) > n):
+            raise ValueError(f"tensor {name!r}: code sum outside [-{n}, {n}]")
+        shape = [int(d) for d in shapes[name]]
+        if math.prod(shape) != values.numel():
+            raise ValueError(f"tensor {name!r}: shape {shape} does not match {values.numel()} sums")
+        raw = name.encode("utf-8")
+        headers.append(
+            struct.pack(
+                f"<H{len(raw)}sB{len(shape)}IfB",
+                len(raw),
+                raw,
+                len(shape),
+                *shape,
+                float(scales[name]),
+                bits,
+            )
+        )
+        shifted = (values + n).numpy().astype(np.uint32)
+        bit_matrix = ((shifted[:, None] >> np.arange(bits, dtype=np.uint32)) & 1).astype(np.uint8)
+        blobs.append(np.packbits(bit_matrix.reshape(-1), bitorder="little").tobytes())
+    body = _HEAD.pack(TAG_SHARED_SUM, n, len(headers)) + b"".join(headers) + b"".join(blobs)
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def _decode_shared_sum(data: bytes) -> dict[str, torch.Tensor]:
+    if len(data) < _HEAD.size + _CRC.size:
+        raise PayloadError("shared-sum update is truncated")
+    body, (crc,) = data[: -_CRC.size], _CRC.unpack(data[-_CRC.size :])
+    if zlib.crc32(body) != crc:
+        raise PayloadError("shared-sum update: CRC mismatch")
+    _, n, count = _HEAD.unpack_from(body)
+    if n < 1:
+        raise PayloadError("shared-sum update: N must be >= 1")
+    pos = _HEAD.size
+    entries: list[tuple[str, list[int], float, int]] = []
+    try:
+        for _ in range(count):
+            (length,) = struct.unpack_from("<H", body, pos)
+            pos += 2
+            name = body[pos : pos + length].decode("utf-8")
+            pos += length
+            (ndim,) = struct.unpack_from("<B", body, pos)
+            pos += 1
+            shape = list(struct.unpack_from(f"<{ndim}I", body, pos))
+            pos += 4 * ndim
+            scale, bits = struct.unpack_from("<fB", body, pos)
+            pos += 5
+            entries.append((name, shape, scale, bits))
+    except (struct.error, UnicodeDecodeError) as err:
+        raise PayloadError(f"shared-sum update: malformed header ({err})") from None
+    out: dict[str, torch.Tensor] = {}
+    for name, shape, scale, bits in entries:
+        if bits != shared_sum_bits(n) or not math.isfinite(scale) or scale < 0:
+            raise PayloadError(f"shared-sum update: tensor {name!r} has bad bits/scale")
+        numel = math.prod(shape)
+        size = (numel * bits + 7) // 8
+        if pos + size > len(body):
+            raise PayloadError(f"shared-sum update: tensor {name!r} data is truncated")
+        packed = np.frombuffer(body, dtype=np.uint8, count=size, offset=pos)
+        pos += size
+        flat_bits = np.unpackbits(packed, bitorder="little")[: numel * bits].reshape(numel, bits)
+        values = (flat_bits.astype(np.int64) << np.arange(bits, dtype=np.int64)).sum(axis=1) - n
+        if numel and (values.min() < -n or values.max() > n):
+            raise PayloadError(f"shared-sum update: tensor {name!r} has sums outside [-N, N]")
+        sums = torch.from_numpy(values).to(torch.float32)
+        out[name] = (sums * torch.tensor(scale, dtype=torch.float32) / n).reshape(shape)
+    if pos != len(body):
+        raise PayloadError(f"shared-sum update: {len(body) - pos} trailing bytes")
+    return out
+
+
+def decode_broadcast(data: bytes) -> dict[str, torch.Tensor]:
+    """Decode a broadcast update of either format.
+
+    Raises
+    ------
+    PayloadError
+        On an unknown tag or malformed content.
+    """
+    if not data:
+        raise PayloadError("broadcast update is empty")
+    tag = data[:1]
+    if tag == TAG_ENCODED:
+        return decode_update(data[1:])
+    if tag == TAG_SHARED_SUM:
+        return _decode_shared_sum(data)
+    raise PayloadError(f"broadcast update has unknown tag {tag!r}")

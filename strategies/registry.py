@@ -1,0 +1,86 @@
+"""Strategies by name: built-ins and user classes given as ``"module:Class"``.
+
+A user class is built with ``Class.from_app_config(cfg, model_fn)`` when it defines
+that classmethod (as :class:`~strategies.terngrad.TernGrad` and its subclasses do),
+else with ``Class()``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from flwr.serverapp.strategy import FedAvg, Strategy
+from torch import nn
+
+from fedddl.app_config import AppConfig
+from strategies.gradient_average import GradientAverage
+from strategies.terngrad import TernGrad
+
+__all__ = ["build_strategy", "load_strategy_class", "terngrad_from_config"]
+
+
+def terngrad_from_config(
+    cls: type[TernGrad], cfg: AppConfig, model_fn: Callable[[], nn.Module]
+) -> TernGrad:
+    """Build ``cls`` (TernGrad or a subclass) from an :class:`AppConfig`."""
+    return cls(
+        model_fn,
+        learning_rate=cfg.learning_rate,
+        momentum=cfg.momentum,
+        compressor=cfg.compressor,
+        clip_sigma=cfg.clip_sigma,
+        downlink=cfg.downlink,
+        fraction_train=cfg.fraction_train,
+        min_available_nodes=cfg.min_available_nodes,
+        update_log_size=cfg.update_log_size,
+        seed=cfg.seed,
+    )
+
+
+def load_strategy_class(spec: str) -> type[Strategy]:
+    """Import ``"package.module:Class"`` and check it is a Flower Strategy.
+
+    Raises
+    ------
+    ValueError
+        If the spec is malformed, the module or class is missing, or it is not a Strategy.
+    """
+    module_name, sep, class_name = spec.partition(":")
+    if not sep or not module_name or not class_name:
+        raise ValueError(f"strategy {spec!r} must look like 'package.module:Class'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"strategy {spec!r}: cannot import {module_name!r}: {err}") from err
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type) or not issubclass(cls, Strategy):
+        raise ValueError(f"strategy {spec!r}: {class_name!r} is not a flwr Strategy subclass")
+    return cls
+
+
+def build_strategy(cfg: AppConfig, model_fn: Callable[[], nn.Module]) -> Strategy:
+    """Return the strategy named by ``cfg.strategy``."""
+    if cfg.strategy == "terngrad":
+        return terngrad_from_config(TernGrad, cfg, model_fn)
+    if cfg.strategy == "gradient-average":
+        return terngrad_from_config(GradientAverage, cfg, model_fn)
+    if cfg.strategy == "fedavg":
+        return FedAvg(
+            fraction_train=cfg.fraction_train,
+            fraction_evaluate=0.0,
+            min_train_nodes=1,
+            min_evaluate_nodes=0,
+            min_available_nodes=cfg.min_available_nodes,
+        )
+    cls = load_strategy_class(cfg.strategy)
+    factory = getattr(cls, "from_app_config", None)
+    if callable(factory):
+        strategy = factory(cfg, model_fn)
+    elif issubclass(cls, TernGrad):
+        strategy = terngrad_from_config(cls, cfg, model_fn)
+    else:
+        strategy = cls()
+    if not isinstance(strategy, Strategy):
+        raise ValueError(f"strategy {cfg.strategy!r} did not build a flwr Strategy")
+    return strategy

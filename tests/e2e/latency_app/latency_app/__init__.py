@@ -1,0 +1,1 @@
+"""Tiny Flower app used to measure deployment round latency."""
