@@ -1,8 +1,7 @@
 """The README's main job through ``flwr run`` (SuperLink + simulation runtime), small.
 
-Opt-in (``FEDDDL_E2E=1``): it starts detached Flower processes and takes 1-3 minutes
-on two cores. The detached ``flower-superlink`` / ``flower-superexec`` processes of
-this test are found by their ``FLWR_HOME`` and stopped by PID.
+It starts detached Flower processes and takes about a minute on two cores. The
+detached ``flower-superlink`` / ``flower-superexec`` processes of this test are found by their ``FLWR_HOME`` and stopped by PID.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.slow,
-    pytest.mark.skipif(os.environ.get("FEDDDL_E2E") != "1", reason="set FEDDDL_E2E=1"),
 ]
 
 
