@@ -1,7 +1,8 @@
 """The README's main job through ``flwr run`` (SuperLink + simulation runtime), small.
 
 It starts detached Flower processes and takes about a minute on two cores. The
-detached ``flower-superlink`` / ``flower-superexec`` processes of this test are found by their ``FLWR_HOME`` and stopped by PID.
+detached ``flower-superlink`` / ``flower-superexec`` processes of this test are found
+by their ``FLWR_HOME`` and stopped by PID.
 """
 
 from __future__ import annotations
