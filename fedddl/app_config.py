@@ -72,11 +72,21 @@ class AppConfig:
         Encoded broadcast updates the server keeps for catch-up; further behind gets a snapshot.
     min_available_nodes : int
         Nodes the server waits for before the first round.
+    min_replies : int
+        Valid replies a TernGrad-family round needs to apply an update; with fewer the
+        round is logged and skipped (no update, every replica keeps its version).
     results_path : str
         When not empty, the ServerApp writes the run's JSON there.
     plugins : str
         Comma-separated modules imported by the ServerApp and every ClientApp before
         the run (e.g. to register a custom compressor by name).
+    checkpoint_dir : str
+        Directory of the ServerApp's checkpoints; empty disables checkpointing and
+        resuming. When it holds a checkpoint, the run resumes from the newest readable one.
+    checkpoint_every : int
+        Save a checkpoint after every ``checkpoint_every``-th (global) round; 0 never saves.
+    checkpoint_keep : int
+        Newest checkpoints kept in ``checkpoint_dir`` (older ones are deleted).
     """
 
     num_server_rounds: int = 100
@@ -98,8 +108,12 @@ class AppConfig:
     error_feedback: bool = False
     update_log_size: int = 8
     min_available_nodes: int = 2
+    min_replies: int = 1
     results_path: str = ""
     plugins: str = ""
+    checkpoint_dir: str = ""
+    checkpoint_every: int = 0
+    checkpoint_keep: int = 3
 
     def __post_init__(self) -> None:
         """Validate every field; raise ``ValueError`` naming the bad key."""
@@ -136,6 +150,14 @@ class AppConfig:
             raise ValueError(f"update-log-size must be >= 0, got {self.update_log_size}")
         if self.min_available_nodes < 1:
             raise ValueError(f"min-available-nodes must be >= 1, got {self.min_available_nodes}")
+        if self.min_replies < 1:
+            raise ValueError(f"min-replies must be >= 1, got {self.min_replies}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if self.checkpoint_keep < 1:
+            raise ValueError(f"checkpoint-keep must be >= 1, got {self.checkpoint_keep}")
+        if self.checkpoint_every > 0 and not self.checkpoint_dir:
+            raise ValueError("checkpoint-every > 0 needs a checkpoint-dir")
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> AppConfig:

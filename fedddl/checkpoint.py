@@ -4,7 +4,7 @@ A :class:`ServerCheckpoint` holds everything a restarted ServerApp needs to
 continue a run where it stopped: the round, the update version, the shadow
 replica's ``state_dict``, the optimizer's ``state_dict``, the bounded update
 log (``(version, encoded update bytes)`` pairs that lagging clients replay),
-the run config and optionally RNG states.
+the run config, optionally RNG states and further strategy state.
 
 File layout (all integers big-endian)::
 
@@ -85,6 +85,9 @@ class ServerCheckpoint:
         "python": random.getstate(), "numpy": gen.bit_generator.state}``.
     created_unix : float
         Wall-clock time of saving.
+    strategy_state : dict
+        Further strategy state needed for an exact continuation (e.g. TernGrad's
+        server-side error-feedback residuals and shared scales); plain types and tensors.
     """
 
     round: int
@@ -95,6 +98,7 @@ class ServerCheckpoint:
     config: dict[str, Any] = field(default_factory=dict)
     rng_states: dict[str, Any] | None = None
     created_unix: float = 0.0
+    strategy_state: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.round < 0:
@@ -182,6 +186,7 @@ def _to_payload(checkpoint: ServerCheckpoint) -> dict[str, Any]:
         "config": checkpoint.config,
         "rng_states": checkpoint.rng_states,
         "created_unix": checkpoint.created_unix,
+        "strategy_state": checkpoint.strategy_state,
     }
 
 
@@ -284,6 +289,7 @@ def load_checkpoint(path: str | Path) -> ServerCheckpoint:
             config=dict(payload["config"]),
             rng_states=payload["rng_states"],
             created_unix=float(payload["created_unix"]),
+            strategy_state=dict(payload.get("strategy_state", {})),
         )
     except CheckpointError:
         raise

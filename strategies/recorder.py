@@ -3,6 +3,12 @@
 :class:`RoundRecorder` is passed to ``Strategy.start`` as ``evaluate_fn``: Flower
 calls it before the first round and after every round with the current global
 arrays (for TernGrad the shadow replica, for FedAvg the averaged weights).
+
+In a run resumed from a checkpoint Flower counts rounds from 1 again;
+``round_offset`` (the checkpoint's round) makes the records, the progress line and
+the ``on_round`` hook use the global round number. ``on_round`` (e.g. the
+ServerApp's checkpoint saver) is called with the global round after each round is
+recorded.
 """
 
 from __future__ import annotations
@@ -38,9 +44,13 @@ class RoundRecorder:
     strategy : Strategy
         Queried for ``last_report`` (TernGrad and subclasses).
     num_rounds : int
-        For the progress line.
+        For the progress line (the run's total, global rounds).
     progress : Callable[[str], None] | None
         Called with a one-line summary per round (default: Flower's logger).
+    round_offset : int
+        Added to Flower's round number (rounds completed before a resume).
+    on_round : Callable[[int], None] | None
+        Called with the global round number after each round has been recorded.
     """
 
     def __init__(
@@ -52,8 +62,14 @@ class RoundRecorder:
         strategy: Strategy,
         num_rounds: int,
         progress: Callable[[str], None] | None = None,
+        round_offset: int = 0,
+        on_round: Callable[[int], None] | None = None,
     ) -> None:
+        if round_offset < 0:
+            raise ValueError(f"round_offset must be >= 0, got {round_offset}")
         self.model = model_fn()
+        self.round_offset = round_offset
+        self.on_round = on_round
         self.x_test, self.y_test = x_test, y_test
         self.grid = grid
         self.strategy = strategy
@@ -76,8 +92,9 @@ class RoundRecorder:
             self._mark = time.perf_counter()
             return MetricRecord({"accuracy": acc, "loss": loss})
         report = getattr(self.strategy, "last_report", None)
+        global_round = server_round + self.round_offset
         record: dict[str, Any] = {
-            "round": server_round,
+            "round": global_round,
             "accuracy": acc,
             "loss": loss,
             "bytes_up": self.grid.bytes_up,
@@ -99,15 +116,18 @@ class RoundRecorder:
                     "dropped": {str(k): v for k, v in report.dropped.items()},
                     "downlink_format": report.downlink_format,
                     "aggregate_s": report.aggregate_s,
+                    "skipped": report.skipped,
                 }
             )
         self.rounds.append(record)
         agree = {True: "yes", False: "NO", None: "n/a"}[record["replicas_equal"]]
         self.progress(
-            f"round {server_round}/{self.num_rounds}: acc={acc:.4f} loss={loss:.4f} "
+            f"round {global_round}/{self.num_rounds}: acc={acc:.4f} loss={loss:.4f} "
             f"up={record['bytes_up']}B down={record['bytes_down']}B replicas-equal={agree} "
             f"wall={wall:.3f}s"
         )
+        if self.on_round is not None:
+            self.on_round(global_round)
         self.grid.reset()
         self._mark = time.perf_counter()
         return MetricRecord({"accuracy": acc, "loss": loss})

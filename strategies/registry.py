@@ -33,6 +33,7 @@ def terngrad_from_config(
         downlink=cfg.downlink,
         fraction_train=cfg.fraction_train,
         min_available_nodes=cfg.min_available_nodes,
+        min_replies=cfg.min_replies,
         update_log_size=cfg.update_log_size,
         seed=cfg.seed,
     )

@@ -3,6 +3,19 @@
 ``app`` (used by ``flwr run``) reads its :class:`~fedddl.app_config.AppConfig`
 from ``context.run_config``; :func:`make_server_app` binds a given config and a
 ``sink`` that receives the results dict (the in-process ``fedddl simulate`` path).
+
+Checkpoint and resume (TernGrad family): with ``checkpoint-dir`` set, the run
+first looks for the newest readable checkpoint there; if one exists it checks
+that the settings in :data:`RESUME_CHECK_KEYS` are unchanged, restores the
+strategy (:meth:`strategies.terngrad.TernGrad.restore`) and runs only the
+remaining ``num-server-rounds - checkpoint.round`` rounds, numbering them
+globally in the results. With ``checkpoint-every = N`` a checkpoint is written
+after every global round divisible by N, and only the newest
+``checkpoint-keep`` are kept.
+
+In a deployment (Flower's ``HttpGrid``) the grid is wrapped in
+:class:`fedddl.deploy.fast_grid.FastPollGrid` (replies polled every 50 ms instead
+of every 3 s). Other grids (simulation, the in-process test grid) are used as given.
 """
 
 from __future__ import annotations
@@ -18,10 +31,36 @@ from typing import Any
 from flwr.app import ArrayRecord, Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import Strategy
 
 from fedddl.app_config import AppConfig
 
-__all__ = ["app", "make_server_app", "run_server", "summarize"]
+__all__ = ["RESUME_CHECK_KEYS", "app", "make_server_app", "run_server", "summarize"]
+
+#: Run-config keys that must match the checkpoint's for a resume.
+RESUME_CHECK_KEYS: tuple[str, ...] = (
+    "dataset",
+    "arch",
+    "strategy",
+    "compressor",
+    "partition",
+    "seed",
+    "learning-rate",
+    "momentum",
+)
+
+
+def _fast_poll(grid: Grid) -> Grid:
+    """Wrap a deployment ``HttpGrid`` in a :class:`FastPollGrid`; return others unchanged."""
+    try:
+        from flwr.superlink.grid.http_grid import HttpGrid
+    except ImportError:  # another Flower layout: keep Flower's own polling
+        return grid
+    if isinstance(grid, HttpGrid):
+        from fedddl.deploy.fast_grid import FastPollGrid
+
+        return FastPollGrid(grid)
+    return grid
 
 
 def run_server(
@@ -33,7 +72,17 @@ def run_server(
     -------
     dict
         ``{"config", "initial", "rounds": [{"round", "accuracy", "loss", "bytes_up",
-        "bytes_down", "replicas_equal", "wall_s", ...}], "final_accuracy", "summary"}``.
+        "bytes_down", "replicas_equal", "wall_s", ...}], "final_accuracy", "summary",
+        "resumed_from", "final_version", "final_fingerprint"}`` (``resumed_from``: None,
+        or the checkpoint's ``round``, ``version`` and ``path``; the last two: the shadow
+        replica's, None without one).
+
+    Raises
+    ------
+    ValueError
+        If checkpointing is asked of a strategy that does not support it.
+    fedddl.checkpoint.CheckpointError
+        If the checkpoint to resume from does not fit this run.
     """
     from clients.localized import model_factory
     from fedddl.data import as_tensors, load_dataset
@@ -44,21 +93,38 @@ def run_server(
     cfg.import_plugins()
     model_fn = model_factory(cfg)
     strategy = build_strategy(cfg, model_fn)
+    resumed = _resume(strategy, cfg)
+    offset = 0 if resumed is None else int(resumed["round"])
     x_test, y_test = as_tensors(load_dataset(cfg.dataset, cfg.data_root or None, split="test"))
-    counting = CountingGrid(grid)
+    counting = CountingGrid(_fast_poll(grid))
+    saver = _checkpoint_saver(strategy, cfg) if cfg.checkpoint_every > 0 else None
     recorder = RoundRecorder(
-        model_fn, x_test, y_test, counting, strategy, cfg.num_server_rounds, progress
+        model_fn,
+        x_test,
+        y_test,
+        counting,
+        strategy,
+        cfg.num_server_rounds,
+        progress,
+        round_offset=offset,
+        on_round=saver,
     )
     shadow = getattr(strategy, "shadow", None)
     initial = shadow.model if shadow is not None else model_fn()
+    remaining = cfg.num_server_rounds - offset
     start = time.perf_counter()
-    strategy.start(
-        grid=counting,
-        initial_arrays=ArrayRecord(initial.state_dict()),
-        num_rounds=cfg.num_server_rounds,
-        evaluate_fn=recorder,
-    )
+    if remaining > 0:
+        strategy.start(
+            grid=counting,
+            initial_arrays=ArrayRecord(initial.state_dict()),
+            num_rounds=remaining,
+            evaluate_fn=recorder,
+        )
+    else:
+        log(INFO, "fedddl: checkpoint round %d >= num-server-rounds, nothing to run", offset)
+        recorder(0, ArrayRecord(initial.state_dict()))
     total = time.perf_counter() - start
+    shadow = getattr(strategy, "shadow", None)
     config = cfg.to_run_config()
     config["num-clients"] = len(list(grid.get_node_ids()))
     config["strategy-class"] = f"{type(strategy).__module__}.{type(strategy).__qualname__}"
@@ -68,6 +134,9 @@ def run_server(
         "rounds": recorder.rounds,
         "final_accuracy": recorder.rounds[-1]["accuracy"] if recorder.rounds else None,
         "total_s": total,
+        "resumed_from": resumed,
+        "final_version": None if shadow is None else int(shadow.version),
+        "final_fingerprint": None if shadow is None else str(shadow.fingerprint()),
     }
     result["summary"] = summarize(result)
     log(INFO, "fedddl summary: %s", json.dumps(result["summary"]))
@@ -77,6 +146,54 @@ def run_server(
         path.write_text(json.dumps(result, indent=1))
         log(INFO, "fedddl results written to %s", path)
     return result
+
+
+def _resume(strategy: Strategy, cfg: AppConfig) -> dict[str, Any] | None:
+    """Restore ``strategy`` from the newest checkpoint in ``cfg.checkpoint_dir``, if any."""
+    from fedddl.checkpoint import load_latest_checkpoint
+    from strategies.terngrad import TernGrad
+
+    if cfg.checkpoint_every > 0 and not isinstance(strategy, TernGrad):
+        raise ValueError(
+            f"checkpoint-every needs a TernGrad-family strategy, not {type(strategy).__name__}"
+        )
+    if not cfg.checkpoint_dir:
+        return None
+    found = load_latest_checkpoint(cfg.checkpoint_dir)
+    if found is None:
+        log(INFO, "fedddl: no checkpoint in %s, starting from round 0", cfg.checkpoint_dir)
+        return None
+    path, ckpt = found
+    if not isinstance(strategy, TernGrad):
+        raise ValueError(
+            f"cannot resume {type(strategy).__name__} from {path}: only TernGrad-family "
+            "strategies are checkpointed"
+        )
+    ckpt.check_config(cfg.to_run_config(), RESUME_CHECK_KEYS)
+    strategy.restore(ckpt)
+    log(INFO, "fedddl: resumed from %s (round %d, version %d)", path, ckpt.round, ckpt.version)
+    return {"round": ckpt.round, "version": ckpt.version, "path": str(path)}
+
+
+def _checkpoint_saver(strategy: Strategy, cfg: AppConfig) -> Callable[[int], None]:
+    """Return the ``on_round`` hook saving a checkpoint every ``cfg.checkpoint_every`` rounds."""
+    from fedddl.checkpoint import checkpoint_path, prune_checkpoints, save_checkpoint
+    from strategies.terngrad import TernGrad
+
+    assert isinstance(strategy, TernGrad)
+    config = cfg.to_run_config()
+
+    def save(global_round: int) -> None:
+        if global_round % cfg.checkpoint_every:
+            return
+        path = save_checkpoint(
+            strategy.checkpoint(global_round, config),
+            checkpoint_path(cfg.checkpoint_dir, global_round),
+        )
+        prune_checkpoints(cfg.checkpoint_dir, cfg.checkpoint_keep)
+        log(INFO, "fedddl: checkpoint of round %d written to %s", global_round, path)
+
+    return save
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
@@ -98,6 +215,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         ),
         "replicas_equal_all": all(checked) if checked else None,
         "dropped_replies": sum(len(r.get("dropped", {})) for r in rounds),
+        "skipped_rounds": sum(1 for r in rounds if r.get("skipped")),
     }
 
 

@@ -16,6 +16,19 @@ A round (one message per sampled client):
    which the server app evaluates on the held-out split.
 
 Model weights never travel, except as a catch-up snapshot.
+
+A round with fewer than ``min_replies`` valid replies applies no update: it is
+logged, every replica keeps its version and the next round starts from there.
+
+Checkpoint and resume: :meth:`TernGrad.checkpoint` captures the shadow replica,
+its optimiser state, the version, the update log and the server-side downlink
+state (error-feedback residuals, shared scales); :meth:`TernGrad.restore` loads
+one and sets :attr:`TernGrad.round_offset`, so a restarted run numbers its rounds
+globally (the seeds of sampling, server and client compressors and minibatches are
+derived from the global round, and a resumed run continues the same trajectory).
+After a restore the server knows nothing about the clients' replicas: each node's
+first message is a snapshot (a node may even be *ahead* of the checkpoint, with
+updates the crashed server broadcast after saving it, which no replay can undo).
 """
 
 from __future__ import annotations
@@ -35,6 +48,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from torch import nn
 
+from fedddl.checkpoint import CheckpointError, ServerCheckpoint
 from fedddl.compression import PayloadError, ResidualMemory, decode_update
 from fedddl.replica import Replica, ReplicaError, UpdateLog, check_update, plan_catch_up
 from strategies.downlink import (
@@ -84,6 +98,9 @@ class RoundReport:
         Mean training loss of the accepted replies.
     aggregate_s : float
         Seconds spent in ``aggregate_train``.
+    skipped : bool
+        Whether the round applied no update because it had fewer than ``min_replies``
+        valid replies (``accepted`` then lists the valid ones that were not applied).
     """
 
     server_round: int
@@ -94,6 +111,7 @@ class RoundReport:
     downlink_format: str = "none"
     loss: float = math.nan
     aggregate_s: float = 0.0
+    skipped: bool = False
 
 
 class TernGrad(Strategy):
@@ -121,6 +139,13 @@ class TernGrad(Strategy):
         Seeds node sampling and the server-side compressor.
     wait_timeout : float
         Seconds to wait for ``min_available_nodes`` before failing.
+    min_replies : int
+        Valid replies needed to apply a round's update (fewer: the round is skipped).
+
+    Attributes
+    ----------
+    round_offset : int
+        Added to Flower's round number to get the global round (set by :meth:`restore`).
     """
 
     def __init__(
@@ -137,6 +162,7 @@ class TernGrad(Strategy):
         update_log_size: int = 8,
         seed: int = 0,
         wait_timeout: float = 600.0,
+        min_replies: int = 1,
     ) -> None:
         if downlink not in ("reternarize", "shared-scale-sum"):
             raise ValueError(
@@ -144,6 +170,11 @@ class TernGrad(Strategy):
             )
         if not 0 < fraction_train <= 1:
             raise ValueError(f"fraction_train must be in (0, 1], got {fraction_train}")
+        if min_replies < 1:
+            raise ValueError(f"min_replies must be >= 1, got {min_replies}")
+        self.min_replies = min_replies
+        self.round_offset = 0
+        self._unknown_version = 0  # assumed version of a node never heard from
         self._compressor_arg = compressor
         self.clip_sigma = clip_sigma
         self.downlink = downlink
@@ -204,6 +235,7 @@ class TernGrad(Strategy):
     ) -> Iterable[Message]:
         """One message per sampled node: missed updates (or a snapshot) + compute order."""
         del arrays, config  # the protocol never broadcasts weights
+        server_round += self.round_offset
         nodes = self._sample(grid, server_round)
         current = self.shadow.version
         snapshot = None
@@ -211,7 +243,7 @@ class TernGrad(Strategy):
         messages: list[Message] = []
         want_scales = self._wants_shared_sum()
         for node in nodes:
-            known = self.node_version.get(node, 0)
+            known = self.node_version.get(node, self._unknown_version)
             plan = plan_catch_up(known, current, self.log)
             tell = node not in self.node_knows_compressor or plan.kind == "snapshot"
             key = (plan.kind, known if plan.kind == "log" else -2, tell)
@@ -243,9 +275,9 @@ class TernGrad(Strategy):
         """Parse and check one reply; raise ``ReplyError`` with the reason."""
         reply = parse_reply(message)
         node = reply.node_id
-        expected = self.expected_version.get(node)
+        expected = self.expected_version.pop(node, None)  # one reply per node and round
         if expected is None:
-            raise ReplyError(f"node {node} was not sent a message this round")
+            raise ReplyError(f"node {node} was not sent a message this round or already replied")
         if reply.resync:
             self.node_version[node] = reply.model_version
             if reply.model_version < 0:
@@ -277,6 +309,7 @@ class TernGrad(Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Validate replies, average accepted gradients, broadcast-encode, update the shadow."""
         start = time.perf_counter()
+        server_round += self.round_offset
         report = RoundReport(server_round)
         accepted: list[tuple[ClientReply, dict[str, torch.Tensor]]] = []
         fingerprint_checked = False
@@ -297,6 +330,22 @@ class TernGrad(Strategy):
         self.expected_version.clear()
         report.accepted = sorted(r.node_id for r, _ in accepted)
         report.replicas_equal = (not mismatch) if fingerprint_checked else None
+        if accepted and len(accepted) < self.min_replies:
+            log(
+                WARNING,
+                "aggregate_train: round %d skipped: %d valid replies, need %d; "
+                "no update applied, model version stays %d",
+                server_round,
+                len(accepted),
+                self.min_replies,
+                self.shadow.version,
+            )
+            report.loss = sum(r.loss for r, _ in accepted) / len(accepted)
+            report.skipped = True
+            accepted = []
+        elif not accepted:
+            report.skipped = True
+            log(WARNING, "aggregate_train: round %d has no valid reply, no update", server_round)
         if accepted:
             report.loss = sum(r.loss for r, _ in accepted) / len(accepted)
             payload, report.downlink_format = self._encode_downlink(server_round, accepted)
@@ -375,6 +424,108 @@ class TernGrad(Strategy):
             return
         self.shared_scales = torch.stack(reported).max(dim=0).values
 
+    # ----------------------------------------------------------- checkpoints
+    def checkpoint(self, server_round: int, config: dict[str, object]) -> ServerCheckpoint:
+        """Capture the server state after global round ``server_round``.
+
+        Parameters
+        ----------
+        server_round : int
+            The last completed global round (``round_offset`` included).
+        config : dict
+            The run config to store (checked on resume).
+        """
+        memory = self.server_memory.residuals
+        return ServerCheckpoint(
+            round=server_round,
+            version=self.shadow.version,
+            model_state={k: v.detach().clone() for k, v in self.shadow.model.state_dict().items()},
+            optimizer_state=self.shadow.optimizer.state_dict(),
+            update_log=self.log.since(-1),
+            config=dict(config),
+            rng_states={"torch": torch.get_rng_state()},
+            strategy_state={
+                "server_memory": memory,
+                "shared_scales": self.shared_scales,
+                "strategy_class": f"{type(self).__module__}.{type(self).__qualname__}",
+            },
+        )
+
+    def restore(self, ckpt: ServerCheckpoint) -> None:
+        """Continue from ``ckpt``: shadow replica, optimiser, version, log, downlink state.
+
+        Raises
+        ------
+        CheckpointError
+            If the checkpoint does not fit this strategy's model or optimiser; the
+            strategy is left unchanged.
+        """
+        saved_class = ckpt.strategy_state.get("strategy_class")
+        here = f"{type(self).__module__}.{type(self).__qualname__}"
+        if saved_class is not None and saved_class != here:
+            raise CheckpointError(f"checkpoint was made by {saved_class}, this run uses {here}")
+        memory = ckpt.strategy_state.get("server_memory", {})
+        scales = ckpt.strategy_state.get("shared_scales")
+        if not isinstance(memory, dict) or not all(
+            isinstance(t, torch.Tensor) for t in memory.values()
+        ):
+            raise CheckpointError("checkpoint server_memory must map names to tensors")
+        if scales is not None and not isinstance(scales, torch.Tensor):
+            raise CheckpointError("checkpoint shared_scales must be a tensor or None")
+        log_entries = list(ckpt.update_log)
+        if log_entries and log_entries[-1][0] != ckpt.version:
+            raise CheckpointError(
+                f"checkpoint update log ends at version {log_entries[-1][0]}, "
+                f"not at the checkpoint version {ckpt.version}"
+            )
+        # Build everything on copies first so a bad checkpoint changes nothing.
+        shadow = Replica(
+            _clone_module(self.shadow.model),
+            self.shadow.learning_rate,
+            self.shadow.momentum,
+            version=0,
+        )
+        ckpt.restore_model(shadow.model)
+        try:
+            shadow.optimizer.load_state_dict(ckpt.optimizer_state)
+        except (ValueError, KeyError, RuntimeError) as err:
+            raise CheckpointError(f"checkpoint optimizer state does not fit: {err}") from err
+        for group in shadow.optimizer.param_groups:
+            if group["lr"] != self.shadow.learning_rate or group["momentum"] != (
+                self.shadow.momentum
+            ):
+                raise CheckpointError(
+                    f"checkpoint optimizer has lr={group['lr']} momentum={group['momentum']}, "
+                    f"this run lr={self.shadow.learning_rate} momentum={self.shadow.momentum}"
+                )
+        shadow.version = ckpt.version
+        update_log = UpdateLog(self.log.capacity)
+        for version, payload in log_entries:
+            update_log.append(version, payload)
+        server_memory = ResidualMemory()
+        for name, residual in memory.items():
+            server_memory.update(str(name), residual.clone(), torch.zeros_like(residual))
+        self.shadow = shadow
+        self.log = update_log
+        self.server_memory = server_memory
+        self.shared_scales = None if scales is None else scales.clone()
+        self.round_offset = ckpt.round
+        self.fingerprints = OrderedDict({shadow.version: shadow.fingerprint()})
+        self.node_version.clear()
+        self.node_knows_compressor.clear()
+        self.expected_version.clear()
+        self._unknown_version = -1  # every node's first message after a restart: snapshot
+        rng = (ckpt.rng_states or {}).get("torch")
+        if isinstance(rng, torch.Tensor):
+            torch.set_rng_state(rng)
+        log(
+            INFO,
+            "TernGrad restored from checkpoint: round %d, version %d, %d logged updates",
+            ckpt.round,
+            ckpt.version,
+            len(update_log),
+        )
+
     # ------------------------------------------------------------- evaluate
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -393,4 +544,11 @@ class TernGrad(Strategy):
         log(INFO, "\t├──> Uplink compressor: %s", self.compressor_name())
         log(INFO, "\t├──> Downlink: %s", self.downlink)
         log(INFO, "\t├──> Fraction train: %.2f", self.fraction_train)
+        log(INFO, "\t├──> Min replies: %d", self.min_replies)
         log(INFO, "\t└──> Update log size: %d", self.log.capacity)
+
+
+def _clone_module(model: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(model)

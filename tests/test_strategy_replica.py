@@ -140,3 +140,79 @@ def test_plan_catch_up(replica_version: int, kind: str, versions: list[int]) -> 
 def test_plan_catch_up_with_empty_log_needs_snapshot() -> None:
     assert plan_catch_up(0, 1, UpdateLog(0)).kind == "snapshot"
     assert plan_catch_up(0, 0, UpdateLog(0)).kind == "none"
+
+
+def test_plan_catch_up_snapshot_when_client_is_ahead_of_the_server() -> None:
+    """After the server resumes from a checkpoint older than its crash, a client can
+    hold versions the server no longer has (or will recompute differently): no replay
+    can undo updates, so it must get a snapshot, also when the log covers its version."""
+    log = UpdateLog(8)
+    for v in range(1, 4):
+        log.append(v, bytes([v]))
+    for ahead in (4, 5, 100):
+        plan = plan_catch_up(ahead, 3, log)
+        assert plan.kind == "snapshot" and plan.updates == []
+    assert plan_catch_up(2, 3, log).kind == "log"  # control: behind by one replays
+
+
+def _resync_costs(missed: tuple[int, ...]) -> tuple[int, list[tuple[int, str, int, int | None]]]:
+    """Train the digits MLP (ternary-base3, log size 8) for ``max(missed) + 1`` rounds and
+    return the serialized bytes of the catch-up message for each number of missed rounds.
+
+    Returns ``(update payload bytes of the last round, [(missed, plan kind, bytes of the
+    message the server sends, bytes of a log replay or None when the log does not reach)])``;
+    the snapshot alternative is the same message with the snapshot instead of the updates.
+    """
+    from flwr.app import ArrayRecord
+
+    from clients.client_app import make_client_app
+    from clients.localized import model_factory
+    from fedddl.app_config import AppConfig
+    from strategies.inline_grid import InlineGrid
+    from strategies.registry import build_strategy
+    from strategies.strategy_utils import TrainInstruction, build_train_content, content_nbytes
+    from strategies.terngrad import TernGrad
+
+    rounds = max(missed) + 1
+    cfg = AppConfig(num_server_rounds=rounds, compressor="ternary-base3", update_log_size=8)
+    strategy = build_strategy(cfg, model_factory(cfg))
+    assert isinstance(strategy, TernGrad)
+    strategy.start(
+        grid=InlineGrid(make_client_app(cfg), 2), initial_arrays=ArrayRecord(), num_rounds=rounds
+    )
+    current = strategy.shadow.version
+    snapshot_bytes = content_nbytes(
+        build_train_content(
+            TrainInstruction(rounds + 1, current, [], strategy.shadow.snapshot(), current)
+        )
+    )
+    rows: list[tuple[int, str, int, int | None]] = []
+    for k in missed:
+        plan = plan_catch_up(current - k, current, strategy.log)
+        replay = None
+        if plan.kind == "log":
+            replay = content_nbytes(
+                build_train_content(TrainInstruction(rounds + 1, current, plan.updates))
+            )
+        rows.append((k, plan.kind, snapshot_bytes, replay))
+    return len(strategy.log.since(current - 1)[0][1]), rows
+
+
+def test_resync_cost_replay_vs_snapshot_table() -> None:
+    """Bytes to bring back a client that missed k rounds (run ``pytest -s`` for the table)."""
+    update_bytes, rows = _resync_costs((1, 2, 4, 8, 16))
+    print(f"\nresync cost, digits MLP, ternary-base3, update-log-size 8 "
+          f"(one encoded update: {update_bytes} B)")
+    print(f"{'missed':>6} {'plan':>8} {'replay B':>9} {'snapshot B':>10} {'ratio':>6}")
+    for k, kind, snap, replay in rows:
+        ratio = f"{snap / replay:6.1f}" if replay else "     -"
+        print(f"{k:>6} {kind:>8} {replay if replay else '-':>9} {snap:>10} {ratio}")
+    kinds = {k: kind for k, kind, _, _ in rows}
+    assert kinds == {1: "log", 2: "log", 4: "log", 8: "log", 16: "snapshot"}
+    replays = {k: r for k, _, _, r in rows if r is not None}
+    snapshot = rows[0][2]
+    # Replay grows about linearly with the rounds missed and stays far below a snapshot
+    # (fp32 weights + momentum) for this model at the default log size.
+    assert replays[1] < replays[2] < replays[4] < replays[8] < snapshot
+    assert 3.0 < replays[4] / replays[1] < 5.0
+    assert 6.0 < replays[8] / replays[1] < 10.0
