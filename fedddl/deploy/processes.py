@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedddl.deploy.certs import TlsPaths
+from fedddl.proc import pid_alive
 
 __all__ = [
     "FAST_SUPEREXEC_POLL_INTERVAL_S",
@@ -166,21 +167,6 @@ def _start_time(pid: int) -> int | None:
     return int(stat[stat.rfind(")") + 2 :].split()[19])
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie still answers signal 0; treat it as gone.
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
 @dataclass
 class ManagedProcess:
     """A started Flower process with its log file; stop it with :meth:`stop`."""
@@ -270,7 +256,7 @@ class ManagedProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.popen.poll() is not None and not any(
-                _pid_alive(pid) for pid in self._live_descendants()
+                pid_alive(pid) for pid in self._live_descendants()
             ):
                 break
             time.sleep(0.05)
@@ -278,7 +264,7 @@ class ManagedProcess:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.pid, signal.SIGKILL)
         for pid in self._live_descendants():
-            if _pid_alive(pid):
+            if pid_alive(pid):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):

@@ -26,6 +26,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fedddl.proc import pid_alive
+
 __all__ = [
     "METRICS_FILE",
     "NODE_FILE",
@@ -142,16 +144,3 @@ def claim_spawn(state_dir: str | os.PathLike[str]) -> bool:
     return True
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True  # no procfs: trust kill()
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
