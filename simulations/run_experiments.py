@@ -1,0 +1,296 @@
+"""Run the claim-reproduction experiments over several seeds and build the report.
+
+Usage::
+
+    python simulations/run_experiments.py --experiment {sharding,ternary,gossip,all} \\
+        --seeds 0 1 2 --dataset digits --out results/ [--data-root R] [--quick] [--resume]
+
+Each experiment is a TOML file in ``simulations/experiments/`` (see
+``experiment_spec.py``). Every (variant, seed) runs in-process through the
+same Python APIs as ``fedddl simulate`` / ``fedddl gossip``; its JSON lands in
+``OUT/<experiment>/<variant>/seed<S>.json`` and ``OUT/manifest.json`` is
+rewritten after every run, so an interrupted suite keeps what it finished
+(``--resume`` then skips those runs). Finally ``fedddl.report.build_report``
+writes ``OUT/report.md``, ``OUT/summary.csv`` and the PNGs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: find siblings
+
+from experiment_spec import ExperimentSpec, VariantSpec, load_experiment
+from tool_runners import RUNNERS, command_line, shard_statistics
+
+from fedddl.report_manifest import MANIFEST_NAME, write_manifest
+
+__all__ = [
+    "EXPERIMENTS", "build_parser", "hardware_description", "main", "parse_only", "run_suite",
+]
+
+EXPERIMENTS: tuple[str, ...] = ("sharding", "ternary", "gossip")
+
+Runner = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def hardware_description() -> str:
+    """CPU model, core count and accelerator of this machine, for the report."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{cpu}, {os.cpu_count()} CPU cores, {gpu}; torch {torch.__version__}"
+
+
+def _safe(label: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-." else "_" for ch in label)
+
+
+def _variant_dir(spec: ExperimentSpec, variant: VariantSpec) -> str:
+    name = f"{variant.group}_{variant.label}" if variant.group else variant.label
+    return f"{spec.name}/{_safe(name)}"
+
+
+def _run_variant(
+    spec: ExperimentSpec,
+    variant: VariantSpec,
+    seeds: Sequence[int],
+    out: Path,
+    *,
+    resume: bool,
+    runner: Runner,
+    on_run: Callable[[dict[str, Any]], None],
+) -> dict[str, Any]:
+    entry: dict[str, Any] = {"label": variant.label, "group": variant.group,
+                             "config": variant.config, "runs": []}
+    for seed in seeds:
+        rel = f"{_variant_dir(spec, variant)}/seed{seed}.json"
+        path = out / rel
+        config = {**variant.config, "seed": seed}
+        run: dict[str, Any] = {"seed": seed, "result": rel}
+        if resume and path.is_file():
+            run["runtime_s"] = float(json.loads(path.read_text()).get("_runtime_s", 0.0))
+            print(f"[{spec.name}] {variant.group} {variant.label} seed {seed}: kept {rel}")
+        else:
+            start = time.perf_counter()
+            result = runner(config)
+            run["runtime_s"] = time.perf_counter() - start
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({**result, "_runtime_s": run["runtime_s"]}, indent=1))
+            print(f"[{spec.name}] {variant.group} {variant.label} seed {seed}: "
+                  f"{run['runtime_s']:.1f} s -> {rel}", flush=True)
+        if spec.name == "sharding":
+            shards_rel = rel.replace(".json", ".shards.json")
+            if not (resume and (out / shards_rel).is_file()):
+                (out / shards_rel).write_text(json.dumps(shard_statistics(config), indent=1))
+            run["shards"] = shards_rel
+        entry["runs"].append(run)
+        on_run(entry)
+    return entry
+
+
+def _previous_experiments(out: Path, dataset: str, quick: bool) -> dict[str, Any]:
+    """Experiments already in ``out/manifest.json`` for the same dataset and mode.
+
+    Running one experiment at a time into the same folder then accumulates
+    them, so the report covers all; a different dataset or mode starts afresh.
+    """
+    path = out / MANIFEST_NAME
+    if not path.is_file():
+        return {}
+    old = json.loads(path.read_text())
+    if old.get("dataset") != dataset or bool(old.get("quick")) != quick:
+        return {}
+    return dict(old.get("experiments", {}))
+
+
+def _select(spec: ExperimentSpec, labels: list[str] | None) -> ExperimentSpec:
+    """``spec`` restricted to the variants labelled ``labels`` (all when None)."""
+    if labels is None:
+        return spec
+    known = {v.label for v in spec.variants}
+    unknown = sorted(set(labels) - known)
+    if unknown:
+        raise ValueError(f"experiment {spec.name!r} has no variant {unknown}; "
+                         f"known: {sorted(known)}")
+    return dataclasses.replace(spec, variants=[v for v in spec.variants if v.label in labels])
+
+
+def parse_only(items: Sequence[str]) -> dict[str, list[str]]:
+    """``["sharding:stratified", ...]`` -> ``{"sharding": ["stratified"], ...}``."""
+    only: dict[str, list[str]] = {}
+    for item in items:
+        name, sep, label = item.partition(":")
+        if not sep or name not in EXPERIMENTS or not label:
+            raise ValueError(f"--variants takes EXPERIMENT:LABEL, got {item!r}")
+        only.setdefault(name, []).append(label)
+    return only
+
+
+def run_suite(
+    experiments: Sequence[str],
+    seeds: Sequence[int],
+    out: Path,
+    *,
+    dataset: str = "digits",
+    data_root: str | None = None,
+    quick: bool = False,
+    resume: bool = False,
+    report: bool = True,
+    command: str = "",
+    only: dict[str, list[str]] | None = None,
+) -> dict[str, Any]:
+    """Run ``experiments`` for every seed, write the manifest, and (optionally) the report.
+
+    Parameters
+    ----------
+    experiments : sequence of str
+        Names of TOML files in ``simulations/experiments``.
+    seeds : sequence of int
+        Seeds; each configuration runs once per seed.
+    out : Path
+        Results folder.
+    dataset, data_root : str
+        Dataset for every run, and its data directory.
+    quick : bool
+        Tiny configurations (the ``[quick]`` tables), for tests.
+    resume : bool
+        Keep run files that already exist instead of re-running them.
+    report : bool
+        Build ``report.md`` / PNGs at the end.
+    command : str
+        The command line, recorded in the manifest.
+    only : dict, optional
+        Experiment name -> variant labels to run (others of that experiment are
+        skipped); experiments not named run every variant.
+
+    Returns
+    -------
+    dict
+        The manifest written to ``out/manifest.json``.
+    """
+    specs = [_select(load_experiment(n, dataset=dataset, quick=quick, data_root=data_root),
+                     (only or {}).get(n))
+             for n in experiments]  # parse everything first: fail before hours of runs
+    manifest: dict[str, Any] = {
+        "dataset": dataset, "seeds": list(seeds), "quick": quick,
+        "hardware": hardware_description(), "command": command,
+        "experiments": _previous_experiments(out, dataset, quick),
+    }
+    for spec in specs:
+        exp: dict[str, Any] = {
+            "tool": spec.tool, "title": spec.title, "claim": spec.claim,
+            "target_accuracy": spec.target_accuracy, "links": spec.links,
+            "source": str(spec.source.name) if spec.source else "", "variants": [],
+            "seeds": list(seeds), "command": command,
+        }
+        previous = manifest["experiments"].get(spec.name, {})
+        manifest["experiments"][spec.name] = exp
+        rerun = {(v.group, v.label) for v in spec.variants}
+        # A --variants run adds to (or replaces) variants recorded earlier in this folder.
+        kept = [v for v in previous.get("variants", [])
+                if only and spec.name in only and (v.get("group", ""), v["label"]) not in rerun]
+        exp["variants"] = list(kept)
+        if kept:  # the folder now holds what several commands ran: list them all
+            exp["commands"] = [*previous.get("commands", [previous.get("command", "")]), command]
+        start = time.perf_counter()
+        for variant in spec.variants:
+            done = list(exp["variants"])
+
+            def save(entry: dict[str, Any], done: list[dict[str, Any]] = done,
+                     exp: dict[str, Any] = exp, start: float = start) -> None:
+                exp["variants"] = [*done, entry]
+                exp["runtime_s"] = time.perf_counter() - start
+                write_manifest(out, manifest)
+
+            _run_variant(spec, variant, seeds, out, resume=resume,
+                         runner=RUNNERS[spec.tool], on_run=save)
+        order = [(v.group, v.label) for v in load_experiment(
+            spec.name, dataset=dataset, quick=quick, data_root=data_root).variants]
+        exp["variants"].sort(key=lambda v: order.index((v.get("group", ""), v["label"]))
+                             if (v.get("group", ""), v["label"]) in order else len(order))
+        exp["seeds"] = sorted({r["seed"] for v in exp["variants"] for r in v["runs"]})
+        exp["runtime_s"] = sum(r["runtime_s"] for v in exp["variants"] for r in v["runs"])
+        write_manifest(out, manifest)
+    if report:
+        from fedddl.report import build_report
+
+        result = build_report(out)
+        print(result.markdown)
+    return manifest
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line options of the driver."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--experiment", nargs="+", default=["all"],
+                        choices=[*EXPERIMENTS, "all"], help="which claim(s) to run")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--dataset", default="digits",
+                        choices=("digits", "mnist", "fashion-mnist", "cifar10", "cifar100",
+                                 "tiny-imagenet"))
+    parser.add_argument("--data-root", default=None, help="dataset directory")
+    parser.add_argument("--out", type=Path, default=Path("results"), help="results folder")
+    parser.add_argument("--quick", action="store_true", help="tiny configuration (tests)")
+    parser.add_argument("--resume", action="store_true", help="keep finished run files")
+    parser.add_argument("--no-report", action="store_true", help="skip report.md / PNGs")
+    parser.add_argument("--variants", nargs="+", default=[], metavar="EXPERIMENT:LABEL",
+                        help="run only these variants of the named experiments")
+    parser.add_argument("--print-commands", action="store_true",
+                        help="print the equivalent fedddl command lines and exit")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    names = list(EXPERIMENTS) if "all" in args.experiment else list(dict.fromkeys(args.experiment))
+    if len(set(args.seeds)) != len(args.seeds):
+        print("run_experiments: --seeds must be distinct", file=sys.stderr)
+        return 2
+    try:  # resolve every experiment up front: a typo fails in a second, not after runs
+        only = parse_only(args.variants)
+        specs = [_select(load_experiment(name, dataset=args.dataset, quick=args.quick,
+                                         data_root=args.data_root), only.get(name))
+                 for name in names]
+    except ValueError as exc:
+        print(f"run_experiments: {exc}", file=sys.stderr)
+        return 2
+    if args.print_commands:
+        for spec in specs:
+            for variant in spec.variants:
+                for seed in args.seeds:
+                    out = args.out / _variant_dir(spec, variant) / f"seed{seed}.json"
+                    print(command_line(spec.tool, {**variant.config, "seed": seed}, out))
+        return 0
+    given = list(sys.argv[1:] if argv is None else argv)
+    # --resume only skips finished runs; the command without it reproduces the results.
+    command = shlex.join(["python", "simulations/run_experiments.py",
+                          *(a for a in given if a != "--resume")])
+    run_suite(names, args.seeds, args.out, dataset=args.dataset, data_root=args.data_root,
+              quick=args.quick, resume=args.resume, report=not args.no_report,
+              command=command, only=only)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""The experiment driver: TOML resolution and a real quick run of every experiment."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import struct
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+SIMULATIONS = Path(__file__).resolve().parents[1] / "simulations"
+SEEDS = (0, 1)  # the test uses 2 seeds for speed; the committed results use >= 3
+
+
+def load_script(name: str) -> ModuleType:
+    """Import ``simulations/<name>.py`` (a script folder, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, SIMULATIONS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_experiment_resolves_for_every_dataset() -> None:
+    driver = load_script("run_experiments")
+    spec_mod = load_script("experiment_spec")
+    for name in driver.EXPERIMENTS:
+        full = spec_mod.load_experiment(name)
+        quick = spec_mod.load_experiment(name, quick=True)
+        fmnist = spec_mod.load_experiment(name, dataset="fashion-mnist", data_root="/data")
+        assert len(full.variants) >= 3
+        assert [v.label for v in quick.variants] == [v.label for v in full.variants]
+        for variant in fmnist.variants:
+            assert variant.config["dataset"] == "fashion-mnist"
+            assert variant.config["data-root"] == "/data"
+        if full.tool == "simulate":
+            # [quick] shrinks the run; each variant's defining key survives every override.
+            assert quick.variants[0].config["num-server-rounds"] < full.variants[0].config[
+                "num-server-rounds"]
+            assert "target-accuracy" not in full.variants[0].config
+        assert fmnist.target_accuracy < full.target_accuracy  # harder data, lower bar
+    ternary = spec_mod.load_experiment("ternary", quick=True)
+    assert [v.config["strategy"] for v in ternary.variants] == [
+        "terngrad", "gradient-average", "fedavg"]
+    assert {link["name"] for link in ternary.links} == {"10 Mbit/s", "100 Mbit/s", "1 Gbit/s"}
+    with pytest.raises(ValueError, match="no experiment 'nope'"):
+        spec_mod.load_experiment("nope")
+
+
+def test_print_commands_lists_one_line_per_run(capsys: pytest.CaptureFixture[str]) -> None:
+    driver = load_script("run_experiments")
+    assert driver.main(["--experiment", "sharding", "--seeds", "0", "1", "--print-commands"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 5 * 2
+    assert all(line.startswith("fedddl simulate ") for line in lines)
+    assert "--partition dirichlet" in lines[4] and "--seed 0" in lines[4]
+    assert "--fraction-train 1.0" in lines[-1] and "--seed 1" in lines[-1]
+
+
+def _png_ok(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    width, height = struct.unpack(">II", data[16:24])
+    assert width > 300 and height > 150 and len(data) > 10_000, path
+    assert len(data) <= 150_000, f"{path} is {len(data)} bytes; keep figures small"
+
+
+def _check_simulate_run(result: dict[str, Any], rounds: int) -> None:
+    assert set(result) >= {"config", "rounds", "final_accuracy"}
+    assert len(result["rounds"]) >= rounds
+    for r in result["rounds"]:
+        assert set(r) >= {"round", "accuracy", "loss", "bytes_up", "bytes_down",
+                          "replicas_equal", "wall_s"}
+        assert 0.0 <= r["accuracy"] <= 1.0 and r["wall_s"] >= 0 and r["bytes_up"] >= 0
+    assert 0.0 <= result["final_accuracy"] <= 1.0
+
+
+def _run_quick_suite(out: Path, *, full: bool) -> Path:
+    """Quick runs through the driver into one folder (the manifest accumulates).
+
+    Each Flower simulation pays Ray's start-up (~15-20 s on 2 idle cores), so the
+    default test runs one simulation per server experiment (seed 0, one variant
+    each) and the whole gossip grid with 2 seeds; ``full`` runs every variant of
+    every experiment with 2 seeds (12 simulations, minutes).
+    """
+    driver = load_script("run_experiments")
+    seeds = [str(s) for s in SEEDS]
+    if full:
+        assert driver.main(["--experiment", "all", "--quick", "--seeds", *seeds,
+                            "--out", str(out)]) == 0
+        return out
+    assert driver.main(["--experiment", "gossip", "--quick", "--seeds", *seeds,
+                        "--out", str(out), "--no-report"]) == 0
+    assert driver.main(["--experiment", "sharding", "ternary", "--quick", "--seeds", "0",
+                        "--variants", "sharding:stratified", "ternary:terngrad",
+                        "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def quick_suite(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every experiment through the driver in quick mode, then the report."""
+    return _run_quick_suite(tmp_path_factory.mktemp("suite"), full=False)
+
+
+def check_result_files(out: Path) -> None:
+    """Every run the manifest lists exists and has the tool's schema with sane values."""
+    spec_mod = load_script("experiment_spec")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["quick"] is True
+    assert set(manifest["experiments"]) == {"sharding", "ternary", "gossip"}
+    for name, exp in manifest["experiments"].items():
+        spec = spec_mod.load_experiment(name, quick=True)
+        labels = [v.label for v in spec.variants]
+        assert exp["variants"] and all(v["label"] in labels for v in exp["variants"])
+        if name == "gossip":
+            assert len(exp["variants"]) == len(labels) and exp["seeds"] == list(SEEDS)
+        for variant in exp["variants"]:
+            assert [r["seed"] for r in variant["runs"]] == exp["seeds"]
+            for run in variant["runs"]:
+                result = json.loads((out / run["result"]).read_text())
+                if exp["tool"] == "simulate":
+                    _check_simulate_run(result, variant["config"]["num-server-rounds"])
+                    assert result["config"]["strategy"] == variant["config"]["strategy"]
+                    assert result["config"]["seed"] == run["seed"]
+                else:
+                    assert result["curve"], "gossip curve is empty"
+                    assert all(0.0 <= acc <= 1.0 for _, acc in result["curve"])
+                    assert result["bytes_total"] > 0 and result["messages"] > 0
+                if name == "sharding":
+                    shards = json.loads((out / run["shards"]).read_text())
+                    assert len(shards["shards"]) == variant["config"]["num-clients"]
+                    assert shards["summary"]["disjoint"] and shards["summary"]["covers_all"]
+
+
+def check_report(out: Path) -> None:
+    """PNGs are valid and small, and report.md has one table row per configuration."""
+    report = (out / "report.md").read_text()
+    for png in ("sharding_accuracy", "sharding_shards", "ternary_accuracy", "gossip_accuracy"):
+        _png_ok(out / f"{png}.png")
+        assert f"]({png}.png)" in report
+    manifest = json.loads((out / "manifest.json").read_text())
+    rows = [line for line in report.splitlines() if line.startswith("| ")]
+    for exp in manifest["experiments"].values():
+        for v in exp["variants"]:
+            cells = [v["group"], v["label"]] if exp["tool"] == "gossip" else [v["label"]]
+            prefix = "| " + " | ".join(cells) + f" | {len(exp['seeds'])} |"
+            assert sum(row.startswith(prefix) for row in rows) == 1, prefix
+    assert "100 Mbit/s" in report and "quick mode" in report
+    csv_rows = (out / "summary.csv").read_text().strip().splitlines()[1:]
+    assert len(csv_rows) == sum(len(e["variants"]) for e in manifest["experiments"].values())
+
+
+def test_quick_suite_writes_every_result_file(quick_suite: Path) -> None:
+    check_result_files(quick_suite)
+
+
+def test_quick_suite_report_has_plots_and_a_row_per_configuration(quick_suite: Path) -> None:
+    check_report(quick_suite)
+
+
+def test_stratified_shards_match_the_global_class_mix_better_than_random() -> None:
+    runners = load_script("tool_runners")
+    config = {"dataset": "digits", "num-clients": 10, "seed": 0}
+    strat = runners.shard_statistics({**config, "partition": "stratified"})["summary"]
+    rand = runners.shard_statistics({**config, "partition": "random"})["summary"]
+    assert strat["kl_divergence_mean"] < rand["kl_divergence_mean"] / 5
+    assert strat["max_abs_deviation_max"] < rand["max_abs_deviation_max"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("FEDDDL_FULL_SUITE_TEST"),
+                    reason="12 Flower simulations (minutes); set FEDDDL_FULL_SUITE_TEST=1")
+def test_full_quick_suite_every_variant(tmp_path: Path) -> None:
+    out = _run_quick_suite(tmp_path, full=True)
+    check_result_files(out)
+    check_report(out)
