@@ -5,8 +5,10 @@ Targets:
 ``compression``
     On ``--numel`` random fp32 values: the naive reference (``torch.rand``
     TernGrad + straightforward packing), ``encode_update`` / ``decode_update``
-    with the 2-bit and base-3 codecs, the fp32 identity baseline, and a memory
-    copy (``tensor.clone()``), as GB/s of fp32 input (``4 * numel / seconds``,
+    with the 2-bit and base-3 codecs (decoding into new tensors, and with
+    ``out=`` into warm, reused buffers), the fp32 identity baseline, and two
+    memory copies: into a new tensor (``clone()``) and into a warm buffer
+    (``copy_``), as GB/s of fp32 input (``4 * numel / seconds``,
     best of ``--repeats``, cases interleaved), by wall clock and per CPU-second
     of this process (the fairer figure on a shared, loaded machine).  Then
     message sizes on real gradients (MLP and CNN on scikit-learn digits):
@@ -60,13 +62,16 @@ def _throughput(numel: int, repeats: int, seed: int) -> list[dict[str, Any]]:
     ternary = TernaryCompressor(seed=seed)
     base3 = TernaryCompressor(seed=seed, codec="base3")
     identity = IdentityCompressor()
+    warm = {"values": torch.empty_like(values)}
+    copy_target = torch.empty_like(values)
     messages = {
         "2bit": encode_update(update, ternary),
         "base3": encode_update(update, base3),
         "identity": encode_update(update, identity),
     }
     cases: list[tuple[str, Callable[[], object], int | None]] = [
-        ("memory copy (clone)", values.clone, None),
+        ("memory copy, new tensor (clone)", values.clone, None),
+        ("memory copy, warm buffer (copy_)", lambda: copy_target.copy_(values), None),
         (
             "naive: torch.rand ternarize + pack",
             lambda: naive_pack(naive_ternarize(values, generator)[0]),
@@ -79,11 +84,21 @@ def _throughput(numel: int, repeats: int, seed: int) -> list[dict[str, Any]]:
         ),
         ("decode_update ternary 2-bit", lambda: decode_update(messages["2bit"]), None),
         (
+            "decode_update ternary 2-bit, out=warm",
+            lambda: decode_update(messages["2bit"], out=warm),
+            None,
+        ),
+        (
             "encode_update ternary base-3",
             lambda: encode_update(update, base3),
             len(messages["base3"]),
         ),
         ("decode_update ternary base-3", lambda: decode_update(messages["base3"]), None),
+        (
+            "decode_update ternary base-3, out=warm",
+            lambda: decode_update(messages["base3"], out=warm),
+            None,
+        ),
         (
             "encode_update identity fp32",
             lambda: encode_update(update, identity),
@@ -230,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
         _table(
             report["throughput"],
             [
-                ("case", "case", "36"),
+                ("case", "case", "38"),
                 ("seconds", "seconds", "9"),
                 ("gb_per_s", "GB/s fp32", "9"),
                 ("cpu_seconds", "CPU s", "8"),

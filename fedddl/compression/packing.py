@@ -16,8 +16,11 @@ Each value is a 2-bit code: ``0b00`` = 0, ``0b01`` = +1, ``0b10`` = -1;
     ``t0 + 3*t1 + 9*t2 + 27*t3 + 81*t4`` (so bytes ``243..255`` are invalid).
     The unused trailing trits of the last byte must be 0.
 
-Both directions are vectorised: packing uses integer shifts on ``uint32`` views
-(4 code bytes -> 1 byte), unpacking is a gather from a 256-entry table that
+Both directions are vectorised and run on up to ``torch.get_num_threads()``
+threads (:mod:`fedddl.compression.parallel`).  Packing multiplies words of
+codes by a constant that gathers every code of a byte into one place
+(4 code bytes as a ``uint32`` for 2-bit, 5 code bytes read as an unaligned
+``uint64`` for base-3); unpacking is a gather from a 256-entry table that
 already holds ``scale * value`` (4 or 5 floats per entry; the 4 floats of the
 2-bit table are gathered as one 16-byte ``complex128``).
 The host must be little-endian (checked at import).
@@ -30,16 +33,21 @@ from typing import Any
 
 import numpy as np
 import torch
+from numpy.lib.stride_tricks import as_strided
+
+from fedddl.compression.parallel import run_in_chunks
 
 __all__ = [
     "CODECS",
     "CODE_MINUS",
     "CODE_PLUS",
     "CODE_ZERO",
+    "PACK_SLACK",
     "codes_per_byte",
     "find_invalid_codes",
     "pack_codes",
     "pack_codes_into",
+    "pack_padded_codes",
     "packed_size",
     "unpack_codes",
 ]
@@ -88,33 +96,52 @@ def _build_tables() -> dict[str, np.ndarray]:
 
 
 _TABLES = _build_tables()
-_UNPACK_CHUNK = 1 << 16  # packed bytes per gather: keeps the intp index small
+#: Bytes a code buffer needs past its last code for :func:`pack_padded_codes`.
+PACK_SLACK = 8
+_UNPACK_CHUNK = 1 << 16  # packed bytes per gather (1 MiB of float32 out): small intp index
+# (w * _GATHER_2BIT) >> 24 of a little-endian uint32 of 4 codes c0..c3 is
+# c0 + c1<<2 + c2<<4 + c3<<6: each code lands in its own slot of the top byte,
+# every cross term lands in distinct lower slots or overflows, so no carries.
+_GATHER_2BIT = np.uint32((1 << 24) | (1 << 18) | (1 << 12) | (1 << 6))
+# (w * _GATHER_BASE3) >> 56 of a little-endian uint64 whose low 5 bytes are
+# trits t0..t4 is sum(t_k * 3**k) (<= 242): the cross terms below the top byte
+# are each at most 2 * (3 + 9 + 27 + 81) = 240 per byte, so nothing carries
+# into it, and those above it (including the 3 bytes of the next group) overflow.
+_GATHER_BASE3 = np.uint64(sum(3**k << (56 - 8 * k) for k in range(5)))
 
 
-def pack_codes_into(codes: np.ndarray, out: np.ndarray, codec: str) -> None:
-    """Pack ``uint8`` codes into ``out`` (``packed_size(len(codes))`` bytes), numpy core.
+def pack_padded_codes(
+    buffer: np.ndarray[Any, Any], numel: int, out: np.ndarray[Any, Any], codec: str
+) -> None:
+    """Pack ``buffer[:numel]`` (``uint8`` codes ``0..2``) into ``out``.
 
-    ``codes`` may be modified (it is used as scratch when padding is not needed).
+    ``buffer`` must hold at least ``numel + PACK_SLACK`` bytes; everything from
+    ``buffer[numel]`` on is scratch, and the 2-bit codec also overwrites the
+    codes.  ``out`` must hold :func:`packed_size` bytes.
     """
     per = codes_per_byte(codec)
-    extra = (-codes.size) % per
-    if extra:
-        codes = np.concatenate([codes, np.zeros(extra, dtype=np.uint8)])
-    if codec == "2bit":
-        words = codes.view(np.uint32)
-        # byte k of each little-endian word holds code k: shift it down to bits 2k..2k+1
-        packed = words >> 6
-        packed |= words
-        packed |= words >> 12
-        packed |= words >> 18
-        np.copyto(out, packed, casting="unsafe")  # keeps the low byte
+    nbytes = -(-numel // per)
+    if buffer.size < numel + PACK_SLACK or out.size != nbytes:
+        raise ValueError("pack_padded_codes: buffer or out has the wrong size")
+    if nbytes == 0:
         return
-    rows = codes.reshape(-1, per)
-    np.multiply(rows[:, 4], 81, out=out)
-    out += rows[:, 3] * np.uint8(27)
-    out += rows[:, 2] * np.uint8(9)
-    out += rows[:, 1] * np.uint8(3)
-    out += rows[:, 0]
+    buffer[numel : nbytes * per + 3] = 0  # padding codes (and, for base-3, the overread)
+    if codec == "2bit":
+        words = buffer[: nbytes * 4].view(np.uint32)
+        np.multiply(words, _GATHER_2BIT, out=words)
+        np.copyto(out, words.view(np.uint8)[3::4])
+        return
+    # one unaligned uint64 per group of 5 codes: bytes 5j .. 5j+7
+    groups = as_strided(buffer[:8].view(np.uint64), shape=(nbytes,), strides=(5,))
+    gathered = np.multiply(groups, _GATHER_BASE3)
+    np.copyto(out, gathered.view(np.uint8)[7::8])
+
+
+def pack_codes_into(codes: np.ndarray[Any, Any], out: np.ndarray[Any, Any], codec: str) -> None:
+    """Pack ``uint8`` codes into ``out`` (:func:`packed_size` bytes); ``codes`` is not modified."""
+    buffer = np.empty(codes.size + PACK_SLACK, dtype=np.uint8)
+    buffer[: codes.size] = codes
+    pack_padded_codes(buffer, codes.size, out, codec)
 
 
 def pack_codes(codes: torch.Tensor, codec: str = "2bit") -> torch.Tensor:
@@ -138,7 +165,7 @@ def pack_codes(codes: torch.Tensor, codec: str = "2bit") -> torch.Tensor:
     if bool((codes > CODE_MINUS).any()):
         raise ValueError("codes must be 0, 1 or 2")
     out = np.empty(packed_size(codes.numel(), codec), dtype=np.uint8)
-    pack_codes_into(codes.numpy().copy(), out, codec)
+    pack_codes_into(codes.numpy(), out, codec)
     return torch.from_numpy(out)
 
 
@@ -179,29 +206,73 @@ def find_invalid_codes(packed: torch.Tensor, numel: int, codec: str) -> str | No
 
 
 def unpack_codes(
-    packed: torch.Tensor, numel: int, scale: float, codec: str = "2bit"
+    packed: torch.Tensor,
+    numel: int,
+    scale: float,
+    codec: str = "2bit",
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Unpack codes into a 1-D float32 tensor of ``scale * value``.
 
     Invalid codes decode to 0; use :func:`find_invalid_codes` to reject them.
-    The result never aliases ``packed``.
+
+    Parameters
+    ----------
+    packed:
+        1-D ``uint8`` packed codes (:func:`packed_size` bytes).
+    numel, scale, codec:
+        What the codes describe.
+    out:
+        Optional 1-D contiguous float32 CPU tensor of ``numel`` elements to
+        write into (a warm, reused buffer is about twice as fast as a fresh
+        one: no page faults).  Without it a new tensor is allocated.
+
+    Returns
+    -------
+    torch.Tensor
+        ``out``, or the new tensor; it never aliases ``packed``.
     """
     per = codes_per_byte(codec)
     if packed.numel() != packed_size(numel, codec):
         raise ValueError(
             f"{packed.numel()} code bytes for {numel} values (need {packed_size(numel, codec)})"
         )
+    if out is None:
+        # numpy asks the kernel for huge pages on large arrays: far fewer page faults
+        target: np.ndarray[Any, Any] = np.empty(numel, dtype=np.float32)
+        result = torch.from_numpy(target)
+    else:
+        if (
+            out.dtype != torch.float32
+            or out.device.type != "cpu"
+            or out.dim() != 1
+            or out.numel() != numel
+            or not out.is_contiguous()
+        ):
+            raise ValueError(
+                f"out must be a contiguous 1-D float32 CPU tensor of {numel} elements, got "
+                f"{tuple(out.shape)} {out.dtype} on {out.device}"
+            )
+        target = out.detach().numpy()
+        result = out
     source = packed.numpy()
     table: np.ndarray[Any, Any] = _TABLES[codec] * np.float32(scale)
-    out: np.ndarray[Any, Any]
+    whole = numel // per  # bytes whose every slot holds a value
+    rows: np.ndarray[Any, Any]
+    dest: np.ndarray[Any, Any]
     if codec == "2bit":
         # one 16-byte entry (4 float32) per byte: gather it as a single complex128
-        table = table.view(np.complex128).reshape(256)
-        out = np.empty(source.size, dtype=np.complex128)
+        rows, dest = table.view(np.complex128).reshape(256), target[: whole * 4].view(np.complex128)
     else:
-        out = np.empty((source.size, per), dtype=np.float32)
-    for start in range(0, source.size, _UNPACK_CHUNK):
-        stop = min(start + _UNPACK_CHUNK, source.size)
-        np.take(table, source[start:stop].astype(np.intp), axis=0, out=out[start:stop])
-    flat = torch.from_numpy(out.reshape(-1).view(np.float32))
-    return flat[:numel] if flat.numel() != numel else flat
+        rows, dest = table, target[: whole * 5].reshape(whole, 5)
+
+    def work(lo: int, hi: int) -> None:
+        for start in range(lo, hi, _UNPACK_CHUNK):
+            stop = min(start + _UNPACK_CHUNK, hi)
+            np.take(rows, source[start:stop].astype(np.intp), axis=0, out=dest[start:stop])
+
+    run_in_chunks(work, whole, _UNPACK_CHUNK)
+    if whole * per != numel:
+        target[whole * per :] = table[source[whole], : numel - whole * per]
+    return result

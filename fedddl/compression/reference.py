@@ -91,7 +91,7 @@ def reference_codes(
     ``seed``: fire iff ``r < min(|g|, clip) * (2**16 / s) - 1/2`` in float32 arithmetic."""
     flat = np.asarray(values, dtype=np.float32).reshape(-1)
     words = -(-flat.size // 4)
-    rand = np.random.PCG64(seed).random_raw(words).view(np.uint16)[: flat.size]
+    rand = np.random.PCG64DXSM(seed).random_raw(words).view(np.uint16)[: flat.size]
     factor = np.float32(float(1 << PROBABILITY_BITS) / scale)
     signs = []
     for g, r in zip(flat.tolist(), rand.tolist(), strict=True):

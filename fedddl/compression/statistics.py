@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedddl.compression.ternarize import CHUNK, run_in_chunks
+from fedddl.compression.parallel import run_in_chunks
 
 __all__ = ["TensorStatistics", "tensor_statistics"]
 
+#: Elements per chunk: reductions stream, so chunks can be larger than the ternariser's.
+CHUNK = 1 << 18
 # below this share of E[g^2], E[g^2] - mean^2 has lost too many digits: use two passes
 _CANCELLATION_GUARD = 1e-3
 
@@ -52,10 +54,11 @@ def tensor_statistics(flat: torch.Tensor, with_std: bool = True) -> TensorStatis
             lows[index] = chunk.min()
             highs[index] = chunk.max()
             if with_std:
-                sums[index] = np.add.reduce(chunk)  # pairwise in float32; chunks add in float64
+                # float32 within a chunk (SIMD lanes), chunks add in float64
+                sums[index] = np.einsum("i->", chunk)
                 squares[index] = np.einsum("i,i->", chunk, chunk)
 
-    run_in_chunks(work, numel)
+    run_in_chunks(work, numel, CHUNK)
     low, high = float(lows.min()), float(highs.max())
     if not (math.isfinite(low) and math.isfinite(high)) or not math.isfinite(float(squares.sum())):
         raise ValueError("tensor has NaN or Inf values (or values beyond float32 range)")

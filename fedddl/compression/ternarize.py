@@ -12,28 +12,27 @@ i.e. the Bernoulli probability ``|g| / s`` rounded to the nearest multiple of
 magnitude per element, and exactly zero for ``g = 0`` (never fires) and
 ``|g| = s`` (always fires).
 
-The work is done in cache-sized chunks (one read of the input, small
-temporaries) by up to ``torch.get_num_threads()`` threads (numpy releases the
-GIL).  Chunk ``i`` always uses the random words at its own fixed offset of the
-stream (PCG64 ``advance``), so codes depend on the seed only, never on the
-number of threads.
+The random integers come from numpy's PCG64DXSM (the faster, recommended
+PCG64 variant), four 16-bit values per 64-bit output.  The work is done in
+chunks of ``CHUNK`` elements (one read of the input, temporaries that stay in
+cache) by up to ``torch.get_num_threads()`` threads (numpy releases the GIL;
+:mod:`fedddl.compression.parallel`).  Value ``i`` of a call always uses the
+``i``-th random value after the stream's position (PCG ``advance``), so codes
+depend on the seed only, never on the number of threads or the chunk size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 import torch
 
-from fedddl.compression.packing import codes_per_byte, pack_codes_into, packed_size
+from fedddl.compression.packing import PACK_SLACK, codes_per_byte, pack_padded_codes, packed_size
+from fedddl.compression.parallel import run_in_chunks
 
 __all__ = [
     "CHUNK",
     "PROBABILITY_BITS",
     "RandomBits",
-    "run_in_chunks",
     "ternarize_deterministic",
     "ternarize_stochastic",
 ]
@@ -41,31 +40,23 @@ __all__ = [
 #: Resolution of the Bernoulli probabilities: they are multiples of 2**-PROBABILITY_BITS.
 PROBABILITY_BITS = 16
 _STEPS = float(1 << PROBABILITY_BITS)
-_VALUES_PER_WORD = 4  # 16-bit random integers per 64-bit PCG64 output
-#: Elements per chunk of work (fixed, so results never depend on the thread count).
-CHUNK = 5 * 4 * 4096  # a multiple of 4 and 5: only the last chunk needs padding
-_MAX_WORKERS = 8
-_pool: ThreadPoolExecutor | None = None
-
-
-def _executor() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=_MAX_WORKERS, thread_name_prefix="fedddl-tern")
-    return _pool
+_VALUES_PER_WORD = 4  # 16-bit random integers per 64-bit PCG64DXSM output
+#: Elements per chunk of work: a multiple of 4 and 5 (so only the last chunk has a partial
+#: byte), large enough that GIL hand-overs between threads are rare, small enough for L2.
+CHUNK = 20 * 16384
 
 
 class RandomBits:
-    """A seedable stream of uniform 16-bit integers (numpy PCG64) with random access."""
+    """A seedable stream of uniform 16-bit integers (numpy PCG64DXSM) with random access."""
 
     def __init__(self, seed: int) -> None:
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-        self._bitgen = np.random.PCG64(seed)
+        self._bitgen = np.random.PCG64DXSM(seed)
 
-    def fork(self, offset_values: int) -> np.random.PCG64:
+    def fork(self, offset_values: int) -> np.random.PCG64DXSM:
         """A generator positioned ``offset_values`` 16-bit values ahead (a multiple of 4)."""
-        forked = np.random.PCG64()
+        forked = np.random.PCG64DXSM()
         forked.state = self._bitgen.state
         forked.advance(offset_values // _VALUES_PER_WORD)
         return forked
@@ -75,35 +66,15 @@ class RandomBits:
         self._bitgen.advance(-(-count // _VALUES_PER_WORD))
 
 
-def _uint16(bitgen: np.random.PCG64, count: int) -> np.ndarray:
+def _uint16(bitgen: np.random.PCG64DXSM, count: int) -> np.ndarray:
     return bitgen.random_raw(-(-count // _VALUES_PER_WORD)).view(np.uint16)[:count]
 
 
-def _codes_from_masks(fire: np.ndarray, negative: np.ndarray) -> np.ndarray:
-    """``uint8`` codes: 0 where not firing, 1 where firing and positive, 2 where negative."""
+def _codes_from_masks(fire: np.ndarray, negative: np.ndarray, codes: np.ndarray) -> None:
+    """Write ``uint8`` codes to ``codes[:fire.size]``: 0 where not firing, 1 where
+    firing and positive, 2 where firing and negative (``negative`` is scratch)."""
     np.bitwise_and(negative, fire, out=negative)
-    codes = fire.view(np.uint8)
-    codes += negative.view(np.uint8)
-    return codes
-
-
-def _ranges(numel: int) -> list[tuple[int, int]]:
-    """Split ``0..numel`` into per-thread ranges of whole chunks."""
-    chunks = -(-numel // CHUNK)
-    workers = max(1, min(torch.get_num_threads(), _MAX_WORKERS, chunks))
-    per = -(-chunks // workers) * CHUNK
-    return [(lo, min(lo + per, numel)) for lo in range(0, numel, per)]
-
-
-def run_in_chunks(work: Callable[[int, int], None], numel: int) -> None:
-    """Call ``work(lo, hi)`` on per-thread ranges of whole chunks covering ``0..numel``."""
-    ranges = _ranges(numel)
-    if len(ranges) == 1:
-        work(*ranges[0])
-        return
-    futures = [_executor().submit(work, lo, hi) for lo, hi in ranges]
-    for future in futures:
-        future.result()
+    np.add(fire.view(np.uint8), negative.view(np.uint8), out=codes[: fire.size])
 
 
 def ternarize_stochastic(
@@ -143,9 +114,11 @@ def ternarize_stochastic(
 
     def work(lo: int, hi: int) -> None:
         bitgen = bits.fork(lo)
-        level = np.empty(min(CHUNK, hi - lo), dtype=np.float32)
-        fire = np.empty(level.size, dtype=bool)
-        negative = np.empty(level.size, dtype=bool)
+        size = min(CHUNK, hi - lo)
+        level = np.empty(size, dtype=np.float32)
+        fire = np.empty(size, dtype=bool)
+        negative = np.empty(size, dtype=bool)
+        codes = np.empty(size + PACK_SLACK, dtype=np.uint8)
         for start in range(lo, hi, CHUNK):
             chunk = values[start : min(start + CHUNK, hi)]
             size = chunk.size
@@ -158,11 +131,11 @@ def ternarize_stochastic(
             np.subtract(a, np.float32(0.5), out=a)
             np.greater(a, rand, out=f)
             np.signbit(chunk, out=n)
-            codes = _codes_from_masks(f, n)
+            _codes_from_masks(f, n, codes)
             first = start // per
-            pack_codes_into(codes, out[first : first + packed_size(size, codec)], codec)
+            pack_padded_codes(codes, size, out[first : first + packed_size(size, codec)], codec)
 
-    run_in_chunks(work, numel)
+    run_in_chunks(work, numel, CHUNK)
     bits.skip(numel)
     return torch.from_numpy(out)
 
@@ -184,12 +157,14 @@ def ternarize_deterministic(
         return torch.from_numpy(out)  # every clipped magnitude is at most the cut
 
     def work(lo: int, hi: int) -> None:
+        codes = np.empty(min(CHUNK, hi - lo) + PACK_SLACK, dtype=np.uint8)
         for start in range(lo, hi, CHUNK):
             chunk = values[start : min(start + CHUNK, hi)]
             fire = np.greater(np.abs(chunk), cut)
-            codes = _codes_from_masks(fire, np.signbit(chunk))
+            _codes_from_masks(fire, np.signbit(chunk), codes)
             first = start // per
-            pack_codes_into(codes, out[first : first + packed_size(chunk.size, codec)], codec)
+            target = out[first : first + packed_size(chunk.size, codec)]
+            pack_padded_codes(codes, chunk.size, target, codec)
 
-    run_in_chunks(work, numel)
+    run_in_chunks(work, numel, CHUNK)
     return torch.from_numpy(out)

@@ -1,0 +1,57 @@
+"""Split element-wise work into per-thread ranges of whole, fixed-size chunks.
+
+numpy releases the GIL inside each ufunc, so plain Python threads run the
+chunked kernels of this package in parallel.  Every GIL hand-over between the
+threads costs a wake-up, so the kernels use chunks large enough that one
+numpy call does tens of microseconds of work.  Range boundaries are always
+multiples of the chunk size, so no result ever depends on the thread count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+__all__ = ["MAX_WORKERS", "run_in_chunks", "worker_count"]
+
+#: Upper bound on the threads one call uses (``torch.get_num_threads()`` is the usual bound).
+MAX_WORKERS = 8
+_pool: ThreadPoolExecutor | None = None
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="fedddl-comp")
+    return _pool
+
+
+def worker_count(numel: int, chunk: int) -> int:
+    """Threads used for ``numel`` elements: ``torch.get_num_threads()``, at most one per chunk."""
+    chunks = -(-numel // chunk)
+    return max(1, min(torch.get_num_threads(), MAX_WORKERS, chunks))
+
+
+def run_in_chunks(work: Callable[[int, int], None], numel: int, chunk: int) -> None:
+    """Call ``work(lo, hi)`` on per-thread ranges of whole chunks covering ``0..numel``.
+
+    ``lo`` is always a multiple of ``chunk``.  With one range the call runs on
+    the calling thread; otherwise on the shared pool, and the first exception
+    raised by any range is re-raised after all ranges have finished.
+    """
+    if numel <= 0:
+        return
+    chunks = -(-numel // chunk)
+    workers = worker_count(numel, chunk)
+    per = -(-chunks // workers) * chunk
+    ranges = [(lo, min(lo + per, numel)) for lo in range(0, numel, per)]
+    if len(ranges) == 1:
+        work(*ranges[0])
+        return
+    futures = [_executor().submit(work, lo, hi) for lo, hi in ranges]
+    errors = [future.exception() for future in futures]
+    for error in errors:
+        if error is not None:
+            raise error
