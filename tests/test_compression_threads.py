@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fedddl.compression import TernaryCompressor, TernaryPayload, pack_codes, unpack_codes
-from fedddl.compression.packing import packed_size
+from fedddl.compression.packing import packed_size, unpack_codes_batch
 from fedddl.compression.ternarize import CHUNK, PROBABILITY_BITS
 
 # three ternariser chunks and a partial byte for both codecs
@@ -92,3 +92,22 @@ def test_unpack_rejects_a_bad_buffer(bad: torch.Tensor) -> None:
     packed = torch.zeros(packed_size(_NUMEL, "2bit"), dtype=torch.uint8)
     with pytest.raises(ValueError, match="out must be"):
         unpack_codes(packed, _NUMEL, 1.0, "2bit", out=bad)
+
+
+@pytest.mark.parametrize("codec", ["2bit", "base3"])
+def test_a_batch_of_small_and_large_tensors_decodes_like_one_at_a_time(
+    threads: int, codec: str
+) -> None:
+    # empty, single partial bytes, and sizes either side of an unpack chunk
+    sizes = [0, 1, 3, 4, 5, 1001, 4 * 5 * (1 << 16) - 1, 7, 4 * 5 * (1 << 16) + 9, 2]
+    rng = np.random.default_rng(threads)
+    items, expected = [], []
+    for index, numel in enumerate(sizes):
+        codes = torch.from_numpy(rng.integers(0, 3, numel).astype(np.uint8))
+        packed = pack_codes(codes, codec)
+        scale = 0.5 + index
+        items.append((packed, numel, scale, codec, torch.full((numel,), float("nan"))))
+        expected.append(unpack_codes(packed, numel, scale, codec))
+    unpack_codes_batch(items)
+    for (_, _, _, _, out), reference in zip(items, expected, strict=True):
+        torch.testing.assert_close(out, reference, rtol=0, atol=0)

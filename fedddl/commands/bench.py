@@ -3,16 +3,18 @@
 Targets:
 
 ``compression``
-    On ``--numel`` random fp32 values: the naive reference (``torch.rand``
-    TernGrad + straightforward packing), ``encode_update`` / ``decode_update``
-    with the 2-bit and base-3 codecs (decoding into new tensors, and with
-    ``out=`` into warm, reused buffers), the fp32 identity baseline, and two
-    memory copies: into a new tensor (``clone()``) and into a warm buffer
-    (``copy_``), as GB/s of fp32 input (``4 * numel / seconds``,
-    best of ``--repeats``, cases interleaved), by wall clock and per CPU-second
-    of this process (the fairer figure on a shared, loaded machine).  Then
-    message sizes on real gradients (MLP and CNN on scikit-learn digits):
-    2-bit, base-3 and zlib of each.
+    On ``--numel`` random fp32 values (or, with ``--shapes resnet18``, on
+    random tensors shaped like the CIFAR ResNet-18's parameters): the naive
+    reference (``torch.rand`` TernGrad + straightforward packing),
+    ``encode_update`` / ``decode_update`` with the 2-bit and base-3 codecs
+    (decoding into new tensors, and with ``out=`` into warm, reused
+    buffers), the fp32 identity baseline, and two memory copies: into a new
+    tensor (``clone()``) and into a warm buffer (``copy_``), as GB/s of fp32
+    input (``4 * numel / seconds``, best of ``--repeats``, cases
+    interleaved), by wall clock and per CPU-second of this process (the
+    fairer figure on a shared, loaded machine).  Then message sizes on real
+    gradients (MLP and CNN on scikit-learn digits): 2-bit, base-3 and zlib
+    of each.
 """
 
 from __future__ import annotations
@@ -32,6 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``bench`` arguments."""
     parser.add_argument("target", choices=TARGETS, help="what to benchmark")
     parser.add_argument("--numel", type=int, default=25_000_000, help="fp32 values (25 M)")
+    parser.add_argument(
+        "--shapes",
+        choices=("flat", "resnet18"),
+        default="flat",
+        help="flat: one tensor of --numel values; resnet18: the 62 parameter tensors of the "
+        "CIFAR ResNet-18 (11.2 M values, --numel ignored)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed runs; the best is kept")
     parser.add_argument("--seed", type=int, default=0, help="seed of data and compressors")
     parser.add_argument("--no-gradients", action="store_true", help="skip the real-gradient sizes")
@@ -45,7 +54,22 @@ def _timed(action: Callable[[], object]) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def _throughput(numel: int, repeats: int, seed: int) -> list[dict[str, Any]]:
+def _update(shapes: str, numel: int, seed: int) -> dict[str, Any]:
+    """The benchmarked update: random normal values in the requested shapes."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    if shapes == "flat":
+        return {"values": torch.randn(numel, generator=generator)}
+    from fedddl.models import create_model
+
+    model = create_model("cifar10", seed=seed, arch="resnet18")
+    return {
+        name: torch.randn(p.shape, generator=generator) for name, p in model.named_parameters()
+    }
+
+
+def _throughput(update: dict[str, Any], repeats: int, seed: int) -> list[dict[str, Any]]:
     import torch
 
     from fedddl.compression import (
@@ -56,13 +80,13 @@ def _throughput(numel: int, repeats: int, seed: int) -> list[dict[str, Any]]:
     )
     from fedddl.compression.reference import naive_pack, naive_ternarize
 
-    values = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
-    update = {"values": values}
+    numel = sum(t.numel() for t in update.values())
+    values = torch.cat([t.reshape(-1) for t in update.values()])  # the copies and the naive case
     generator = torch.Generator().manual_seed(seed)
     ternary = TernaryCompressor(seed=seed)
     base3 = TernaryCompressor(seed=seed, codec="base3")
     identity = IdentityCompressor()
-    warm = {"values": torch.empty_like(values)}
+    warm = {name: torch.empty_like(t) for name, t in update.items()}
     copy_target = torch.empty_like(values)
     messages = {
         "2bit": encode_update(update, ternary),
@@ -226,11 +250,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import torch
 
+    update = _update(args.shapes, args.numel, args.seed)
     report: dict[str, Any] = {
-        "numel": args.numel,
+        "shapes": args.shapes,
+        "numel": sum(t.numel() for t in update.values()),
+        "tensors": len(update),
         "repeats": args.repeats,
         "torch_threads": torch.get_num_threads(),
-        "throughput": _throughput(args.numel, args.repeats, args.seed),
+        "throughput": _throughput(update, args.repeats, args.seed),
     }
     if not args.no_gradients:
         report["gradient_sizes"] = _gradient_sizes(args.seed)
@@ -238,7 +265,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
         return 0
     print(
-        f"fedddl bench compression: {args.numel} fp32 values, best of {args.repeats}, "
+        f"fedddl bench compression: {report['numel']} fp32 values in {report['tensors']} "
+        f"tensor(s) ({args.shapes}), best of {args.repeats}, "
         f"{report['torch_threads']} torch threads"
     )
     print(

@@ -43,7 +43,12 @@ import torch
 from fedddl.compression.base import Compressor
 from fedddl.compression.errors import PayloadError
 from fedddl.compression.memory import Memory
-from fedddl.compression.packing import find_invalid_codes, packed_size, unpack_codes
+from fedddl.compression.packing import (
+    find_invalid_codes,
+    packed_size,
+    unpack_codes,
+    unpack_codes_batch,
+)
 from fedddl.compression.payload import (
     Context,
     DensePayload,
@@ -326,9 +331,6 @@ def _decode_entry(
         values = raw.clone().view(dtype).reshape(shape)
     else:
         codec = _CODEC_OF_KIND[kind]
-        if target is not None and _is_direct_target(target, torch.float32):
-            unpack_codes(raw, numel, scale, codec, out=target.detach().reshape(-1))
-            return target
         values = unpack_codes(raw, numel, scale, codec).to(dtype).reshape(shape)
     if target is None:
         return values
@@ -402,7 +404,16 @@ def decode_update(
                     raise PayloadError(f"tensor {name!r}: {problem}")
             raws.append(raw)
     # everything is validated: from here on nothing can fail on the message's account
-    return {
-        entry[0]: _decode_entry(raw, entry, None if out is None else out[entry[0]])
-        for entry, raw in zip(entries, raws, strict=True)
-    }
+    result: dict[str, torch.Tensor] = {}
+    batch = []  # ternary entries with float32 CPU buffers: decoded together, threaded
+    for entry, raw in zip(entries, raws, strict=True):
+        name, _, kind, shape, scale = entry
+        target = None if out is None else out[name]
+        if target is not None and kind != _KIND_DENSE and _is_direct_target(target, torch.float32):
+            codec = _CODEC_OF_KIND[kind]
+            batch.append((raw, math.prod(shape), scale, codec, target.detach().reshape(-1)))
+            result[name] = target
+        else:
+            result[name] = _decode_entry(raw, entry, target)
+    unpack_codes_batch(batch)
+    return result
