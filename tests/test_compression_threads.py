@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fedddl.compression import TernaryCompressor, TernaryPayload, pack_codes, unpack_codes
-from fedddl.compression.packing import packed_size, unpack_codes_batch
+from fedddl.compression.packing import packed_size, unpack_codes_batch, unpack_codes_new
 from fedddl.compression.ternarize import CHUNK, PROBABILITY_BITS
 
 # three ternariser chunks and a partial byte for both codecs
@@ -94,20 +94,37 @@ def test_unpack_rejects_a_bad_buffer(bad: torch.Tensor) -> None:
         unpack_codes(packed, _NUMEL, 1.0, "2bit", out=bad)
 
 
-@pytest.mark.parametrize("codec", ["2bit", "base3"])
-def test_a_batch_of_small_and_large_tensors_decodes_like_one_at_a_time(
-    threads: int, codec: str
-) -> None:
-    # empty, single partial bytes, and sizes either side of an unpack chunk
-    sizes = [0, 1, 3, 4, 5, 1001, 4 * 5 * (1 << 16) - 1, 7, 4 * 5 * (1 << 16) + 9, 2]
-    rng = np.random.default_rng(threads)
+# empty, single partial bytes, and sizes either side of an unpack chunk and a touch segment
+_BATCH_SIZES = [0, 1, 3, 4, 5, 1001, 4 * 5 * (1 << 16) - 1, 7, 4 * 5 * (1 << 18) + 9, 2]
+
+
+def _batch(codec: str, seed: int) -> tuple[list[tuple[torch.Tensor, int, float]], list[np.ndarray]]:
+    """Packed random codes of every size, and what each must decode to (numpy, no LUT)."""
+    rng = np.random.default_rng(seed)
     items, expected = [], []
-    for index, numel in enumerate(sizes):
-        codes = torch.from_numpy(rng.integers(0, 3, numel).astype(np.uint8))
-        packed = pack_codes(codes, codec)
+    for index, numel in enumerate(_BATCH_SIZES):
+        codes = rng.integers(0, 3, numel).astype(np.uint8)
         scale = 0.5 + index
-        items.append((packed, numel, scale, codec, torch.full((numel,), float("nan"))))
-        expected.append(unpack_codes(packed, numel, scale, codec))
-    unpack_codes_batch(items)
-    for (_, _, _, _, out), reference in zip(items, expected, strict=True):
-        torch.testing.assert_close(out, reference, rtol=0, atol=0)
+        items.append((pack_codes(torch.from_numpy(codes), codec), numel, scale))
+        expected.append(np.array([0.0, scale, -scale], dtype=np.float32)[codes])
+    return items, expected
+
+
+@pytest.mark.parametrize("codec", ["2bit", "base3"])
+def test_a_batch_into_buffers_decodes_every_tensor(threads: int, codec: str) -> None:
+    items, expected = _batch(codec, threads)
+    buffers = [torch.full((numel,), float("nan")) for _, numel, _ in items]
+    unpack_codes_batch(
+        [(p, n, s, codec, b) for (p, n, s), b in zip(items, buffers, strict=True)]
+    )
+    for buffer, reference in zip(buffers, expected, strict=True):
+        np.testing.assert_array_equal(buffer.numpy(), reference)
+
+
+@pytest.mark.parametrize("codec", ["2bit", "base3"])
+def test_a_batch_into_new_tensors_decodes_every_tensor(threads: int, codec: str) -> None:
+    items, expected = _batch(codec, threads + 10)
+    decoded = unpack_codes_new([(p, n, s, codec) for p, n, s in items])
+    for tensor, reference in zip(decoded, expected, strict=True):
+        assert tensor.dtype == torch.float32
+        np.testing.assert_array_equal(tensor.numpy(), reference)

@@ -31,14 +31,14 @@ from __future__ import annotations
 import bisect
 import itertools
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from numpy.lib.stride_tricks import as_strided
 
-from fedddl.compression.parallel import run_in_chunks
+from fedddl.compression.parallel import run_in_chunks, run_pipelined
 
 __all__ = [
     "CODECS",
@@ -54,6 +54,7 @@ __all__ = [
     "packed_size",
     "unpack_codes",
     "unpack_codes_batch",
+    "unpack_codes_new",
 ]
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is LE
@@ -103,6 +104,8 @@ _TABLES = _build_tables()
 #: Bytes a code buffer needs past its last code for :func:`pack_padded_codes`.
 PACK_SLACK = 8
 _UNPACK_CHUNK = 1 << 16  # packed bytes per gather (1 MiB of float32 out): small intp index
+_TOUCH_SEGMENT = 1 << 18  # packed bytes per first-touch segment (4-5 MiB of float32 out)
+_PAGE = 4096
 # (w * _GATHER_2BIT) >> 24 of a little-endian uint32 of 4 codes c0..c3 is
 # c0 + c1<<2 + c2<<4 + c3<<6: each code lands in its own slot of the top byte,
 # every cross term lands in distinct lower slots or overflows, so no carries.
@@ -229,10 +232,10 @@ def unpack_codes(
         What the codes describe.
     out:
         Optional 1-D contiguous float32 CPU tensor of ``numel`` elements to
-        write into, on up to ``torch.get_num_threads()`` threads.  Without it
-        a new tensor is allocated and filled by the calling thread (first
-        touches of new memory page-fault, and concurrent faults are slow), so
-        a warm, reused buffer is two or more times faster for large tensors.
+        write into.  Without it a new tensor is allocated
+        (:func:`unpack_codes_new`); a warm, reused buffer is about twice as
+        fast for large tensors (no page faults).  Both use up to
+        ``torch.get_num_threads()`` threads.
 
     Returns
     -------
@@ -240,14 +243,31 @@ def unpack_codes(
         ``out``, or the new tensor; it never aliases ``packed``.
     """
     if out is None:
-        _check_packed(packed, numel, codec)
-        target: np.ndarray[Any, Any] = np.empty(numel, dtype=np.float32)
-        # First touch of new memory page-faults; concurrent 4 KiB faults from two threads
-        # were measured 3-5x slower than one thread here, so a new tensor is filled by one.
-        _Gather(packed, numel, scale, codec, target).run_all()
-        return torch.from_numpy(target)
+        return unpack_codes_new([(packed, numel, scale, codec)])[0]
     unpack_codes_batch([(packed, numel, scale, codec, out)])
     return out
+
+
+def unpack_codes_new(items: Sequence[tuple[torch.Tensor, int, float, str]]) -> list[torch.Tensor]:
+    """:func:`unpack_codes` of several tensors into new tensors, in one threaded pass.
+
+    Each item is ``(packed, numel, scale, codec)``.  The first touch of new
+    memory page-faults, and concurrent faults from two threads were measured
+    3-5x slower than one thread's here; so the calling thread touches every
+    page of a segment (one byte per 4 KiB page) while the pool decodes the
+    segments it has already touched.
+    """
+    targets = []
+    gathers = []
+    for packed, numel, scale, codec in items:
+        _check_packed(packed, numel, codec)
+        target: np.ndarray[Any, Any] = np.empty(numel, dtype=np.float32)
+        targets.append(torch.from_numpy(target))
+        gathers.append(_Gather(packed, numel, scale, codec, target))
+    batch = _Batch(gathers)
+    run_pipelined(batch.touch, batch.run, batch.total, _TOUCH_SEGMENT)
+    batch.finish()
+    return targets
 
 
 def unpack_codes_batch(
@@ -274,21 +294,9 @@ def unpack_codes_batch(
                 f"{tuple(out.shape)} {out.dtype} on {out.device}"
             )
         gathers.append(_Gather(packed, numel, scale, codec, out.detach().numpy()))
-    starts = list(itertools.accumulate((g.whole for g in gathers), initial=0))
-
-    def work(lo: int, hi: int) -> None:
-        # [lo, hi) indexes the concatenation of every item's whole bytes
-        index = bisect.bisect_right(starts, lo) - 1
-        while lo < hi:
-            end = min(hi, starts[index + 1])
-            if end > lo:
-                gathers[index].run(lo - starts[index], end - starts[index])
-            lo = end
-            index += 1
-
-    run_in_chunks(work, starts[-1], _UNPACK_CHUNK)
-    for gather in gathers:
-        gather.finish()
+    batch = _Batch(gathers)
+    run_in_chunks(batch.run, batch.total, _UNPACK_CHUNK)
+    batch.finish()
 
 
 def _check_packed(packed: torch.Tensor, numel: int, codec: str) -> None:
@@ -334,6 +342,36 @@ class _Gather:
         if used:
             self.target[self.whole * self.per :] = self.table[self.source[self.whole], :used]
 
-    def run_all(self) -> None:
-        self.run(0, self.whole)
-        self.finish()
+    def touch(self, lo: int, hi: int) -> None:
+        """Write one byte of every 4 KiB page that decoding bytes ``lo .. hi`` will fill."""
+        self.target[lo * self.per : hi * self.per].view(np.uint8)[::_PAGE] = 0
+
+
+class _Batch:
+    """Several gathers seen as one range: the concatenation of their whole bytes."""
+
+    def __init__(self, gathers: list[_Gather]) -> None:
+        self.gathers = gathers
+        self.starts = list(itertools.accumulate((g.whole for g in gathers), initial=0))
+        self.total = self.starts[-1]
+
+    def _pieces(self, lo: int, hi: int) -> Iterator[tuple[_Gather, int, int]]:
+        index = bisect.bisect_right(self.starts, lo) - 1
+        while lo < hi:
+            end = min(hi, self.starts[index + 1])
+            if end > lo:
+                yield self.gathers[index], lo - self.starts[index], end - self.starts[index]
+            lo = end
+            index += 1
+
+    def run(self, lo: int, hi: int) -> None:
+        for gather, start, stop in self._pieces(lo, hi):
+            gather.run(start, stop)
+
+    def touch(self, lo: int, hi: int) -> None:
+        for gather, start, stop in self._pieces(lo, hi):
+            gather.touch(start, stop)
+
+    def finish(self) -> None:
+        for gather in self.gathers:
+            gather.finish()

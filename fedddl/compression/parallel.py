@@ -10,11 +10,11 @@ multiples of the chunk size, so no result ever depends on the thread count.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-__all__ = ["MAX_WORKERS", "run_in_chunks", "worker_count"]
+__all__ = ["MAX_WORKERS", "run_in_chunks", "run_pipelined", "worker_count"]
 
 #: Upper bound on the threads one call uses (``torch.get_num_threads()`` is the usual bound).
 MAX_WORKERS = 8
@@ -51,6 +51,40 @@ def run_in_chunks(work: Callable[[int, int], None], numel: int, chunk: int) -> N
         work(*ranges[0])
         return
     futures = [_executor().submit(work, lo, hi) for lo, hi in ranges]
+    errors = [future.exception() for future in futures]
+    for error in errors:
+        if error is not None:
+            raise error
+
+
+def run_pipelined(
+    prepare: Callable[[int, int], None],
+    work: Callable[[int, int], None],
+    numel: int,
+    segment: int,
+) -> None:
+    """For each segment ``lo..hi`` of ``0..numel``: ``prepare(lo, hi)`` on the calling
+    thread, then ``work(lo, hi)`` on the pool, so the serial step of one segment
+    overlaps the parallel work of the ones before it.
+
+    With one thread (``torch.get_num_threads() == 1``) both run on the calling
+    thread.  The first exception of any ``work`` is re-raised once all have finished.
+    """
+    if numel <= 0:
+        return
+    if worker_count(numel, segment) == 1:
+        for lo in range(0, numel, segment):
+            prepare(lo, min(lo + segment, numel))
+            work(lo, min(lo + segment, numel))
+        return
+    workers = worker_count(numel, segment)
+    futures: list[Future[None]] = []
+    for lo in range(0, numel, segment):
+        hi = min(lo + segment, numel)
+        prepare(lo, hi)
+        if len(futures) >= workers:  # at most ``workers`` segments in flight
+            futures[len(futures) - workers].exception()
+        futures.append(_executor().submit(work, lo, hi))
     errors = [future.exception() for future in futures]
     for error in errors:
         if error is not None:

@@ -48,6 +48,7 @@ from fedddl.compression.packing import (
     packed_size,
     unpack_codes,
     unpack_codes_batch,
+    unpack_codes_new,
 )
 from fedddl.compression.payload import (
     Context,
@@ -404,16 +405,30 @@ def decode_update(
                     raise PayloadError(f"tensor {name!r}: {problem}")
             raws.append(raw)
     # everything is validated: from here on nothing can fail on the message's account
+    # Ternary entries decoded straight into float32 (new tensors, or float32 CPU buffers)
+    # are batched: one threaded pass over all of them, however small each one is.
     result: dict[str, torch.Tensor] = {}
-    batch = []  # ternary entries with float32 CPU buffers: decoded together, threaded
+    into_buffers = []
+    new_items, new_entries = [], []
     for entry, raw in zip(entries, raws, strict=True):
-        name, _, kind, shape, scale = entry
+        name, dtype, kind, shape, scale = entry
         target = None if out is None else out[name]
-        if target is not None and kind != _KIND_DENSE and _is_direct_target(target, torch.float32):
-            codec = _CODEC_OF_KIND[kind]
-            batch.append((raw, math.prod(shape), scale, codec, target.detach().reshape(-1)))
+        if kind == _KIND_DENSE:
+            result[name] = _decode_entry(raw, entry, target)
+            continue
+        item = (raw, math.prod(shape), scale, _CODEC_OF_KIND[kind])
+        if target is None:
+            new_items.append(item)
+            new_entries.append(entry)
+            result[name] = raw  # placeholder, keeps the message order
+        elif _is_direct_target(target, torch.float32):
+            into_buffers.append((*item, target.detach().reshape(-1)))
             result[name] = target
         else:
             result[name] = _decode_entry(raw, entry, target)
-    unpack_codes_batch(batch)
+    unpack_codes_batch(into_buffers)
+    for (name, dtype, _, shape, _), flat in zip(
+        new_entries, unpack_codes_new(new_items), strict=True
+    ):
+        result[name] = flat.to(dtype).reshape(shape)
     return result
