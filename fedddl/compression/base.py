@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 
@@ -36,6 +37,21 @@ class Compressor(ABC):
             A shared scaler (see :meth:`local_scale`); compressors without a
             scale raise ``ValueError`` when it is given.
         """
+
+    def compress_batch(
+        self, tensors: Sequence[torch.Tensor], scales: Sequence[float | None] | None = None
+    ) -> list[tuple[Payload, Context]]:
+        """:meth:`compress` of several tensors, in order (what
+        :func:`~fedddl.compression.encode_update` calls).
+
+        Override it to share work between tensors; the result must equal
+        calling :meth:`compress` on each tensor in order.
+        """
+        scales = [None] * len(tensors) if scales is None else list(scales)
+        if len(scales) != len(tensors):
+            raise ValueError(f"{len(scales)} scales for {len(tensors)} tensors")
+        pairs = zip(tensors, scales, strict=True)
+        return [self.compress(tensor, scale=scale) for tensor, scale in pairs]
 
     def decompress(self, payload: Payload, ctx: Context) -> torch.Tensor:
         """Rebuild a tensor of ``ctx.shape`` and ``ctx.dtype`` from ``payload``."""

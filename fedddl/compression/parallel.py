@@ -9,12 +9,19 @@ multiples of the chunk size, so no result ever depends on the thread count.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-__all__ = ["MAX_WORKERS", "run_in_chunks", "run_pipelined", "worker_count"]
+__all__ = [
+    "MAX_WORKERS",
+    "chunk_units",
+    "run_in_chunks",
+    "run_pipelined",
+    "run_units",
+    "worker_count",
+]
 
 #: Upper bound on the threads one call uses (``torch.get_num_threads()`` is the usual bound).
 MAX_WORKERS = 8
@@ -51,6 +58,46 @@ def run_in_chunks(work: Callable[[int, int], None], numel: int, chunk: int) -> N
         work(*ranges[0])
         return
     futures = [_executor().submit(work, lo, hi) for lo, hi in ranges]
+    errors = [future.exception() for future in futures]
+    for error in errors:
+        if error is not None:
+            raise error
+
+
+def chunk_units(sizes: Sequence[int], chunk: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """The chunks ``(array index, start)`` of arrays of ``sizes``, and their lengths.
+
+    Starts are multiples of ``chunk`` within each array; empty arrays have none.
+    """
+    units = [(k, start) for k, size in enumerate(sizes) for start in range(0, size, chunk)]
+    return units, [min(chunk, sizes[k] - start) for k, start in units]
+
+
+def run_units(work: Callable[[int, int], None], weights: Sequence[int], min_weight: int) -> None:
+    """Call ``work(first, stop)`` on contiguous groups of units of about equal weight.
+
+    Units ``0 .. len(weights)`` (e.g. the chunks of many tensors, weighted by
+    their elements) are cut into one group per thread, at most one thread
+    per ``min_weight`` of total weight, so that small units do not each pay
+    for a thread hand-over.  Errors are re-raised as in :func:`run_in_chunks`.
+    """
+    count, total = len(weights), sum(weights)
+    if count == 0:
+        return
+    workers = max(1, min(torch.get_num_threads(), MAX_WORKERS, count, -(-total // min_weight)))
+    if workers == 1:
+        work(0, count)
+        return
+    groups: list[tuple[int, int]] = []
+    first, done = 0, 0
+    for index, weight in enumerate(weights):
+        done += weight
+        if len(groups) < workers - 1 and done * workers >= total * (len(groups) + 1):
+            groups.append((first, index + 1))
+            first = index + 1
+    if first < count:
+        groups.append((first, count))
+    futures = [_executor().submit(work, lo, hi) for lo, hi in groups]
     errors = [future.exception() for future in futures]
     for error in errors:
         if error is not None:

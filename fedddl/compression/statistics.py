@@ -8,14 +8,15 @@ the codes) do not depend on the number of threads.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from fedddl.compression.parallel import run_in_chunks
+from fedddl.compression.parallel import chunk_units, run_units
 
-__all__ = ["TensorStatistics", "tensor_statistics"]
+__all__ = ["TensorStatistics", "tensor_statistics", "tensor_statistics_batch"]
 
 #: Elements per chunk: reductions stream, so chunks can be larger than the ternariser's.
 CHUNK = 1 << 18
@@ -39,26 +40,65 @@ def tensor_statistics(flat: torch.Tensor, with_std: bool = True) -> TensorStatis
     ValueError
         If any value is NaN or infinite.
     """
-    values = flat.numpy()
-    numel = values.size
-    chunks = -(-numel // CHUNK)
-    lows = np.empty(chunks)
-    highs = np.empty(chunks)
-    sums = np.zeros(chunks)
-    squares = np.zeros(chunks)
+    return tensor_statistics_batch([flat], with_std)[0]
 
-    def work(lo: int, hi: int) -> None:
-        for start in range(lo, hi, CHUNK):
-            chunk = values[start : min(start + CHUNK, hi)]
+
+def tensor_statistics_batch(
+    flats: Sequence[torch.Tensor],
+    with_std: bool = True,
+    *,
+    labels: Sequence[str] | None = None,
+) -> list[TensorStatistics]:
+    """:func:`tensor_statistics` of several tensors in one threaded pass.
+
+    The chunks of all tensors are shared out over the threads; each tensor's
+    result is bit-identical to :func:`tensor_statistics` of it alone.
+
+    Raises
+    ------
+    ValueError
+        If a tensor has a NaN or infinite value (prefixed with its label,
+        if ``labels`` are given).
+    """
+    arrays = [flat.numpy() for flat in flats]
+    counts = [-(-values.size // CHUNK) for values in arrays]
+    lows = [np.empty(count) for count in counts]
+    highs = [np.empty(count) for count in counts]
+    sums = [np.zeros(count) for count in counts]
+    squares = [np.zeros(count) for count in counts]
+    units, weights = chunk_units([values.size for values in arrays], CHUNK)
+
+    def work(first: int, stop: int) -> None:
+        for k, start in units[first:stop]:
+            chunk = arrays[k][start : start + CHUNK]
             index = start // CHUNK
-            lows[index] = chunk.min()
-            highs[index] = chunk.max()
+            lows[k][index] = chunk.min()
+            highs[k][index] = chunk.max()
             if with_std:
                 # float32 within a chunk (SIMD lanes), chunks add in float64
-                sums[index] = np.einsum("i->", chunk)
-                squares[index] = np.einsum("i,i->", chunk, chunk)
+                sums[k][index] = np.einsum("i->", chunk)
+                squares[k][index] = np.einsum("i,i->", chunk, chunk)
 
-    run_in_chunks(work, numel, CHUNK)
+    run_units(work, weights, CHUNK)
+    results = []
+    for k, values in enumerate(arrays):
+        try:
+            results.append(_combine(values, lows[k], highs[k], sums[k], squares[k], with_std))
+        except ValueError as error:
+            raise ValueError(str(error) if labels is None else f"{labels[k]}: {error}") from None
+    return results
+
+
+def _combine(
+    values: np.ndarray,
+    lows: np.ndarray,
+    highs: np.ndarray,
+    sums: np.ndarray,
+    squares: np.ndarray,
+    with_std: bool,
+) -> TensorStatistics:
+    """One tensor's statistics from its per-chunk ones, combined in chunk order."""
+    numel = values.size
     low, high = float(lows.min()), float(highs.max())
     if not (math.isfinite(low) and math.isfinite(high)) or not math.isfinite(float(squares.sum())):
         raise ValueError("tensor has NaN or Inf values (or values beyond float32 range)")

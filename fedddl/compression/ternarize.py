@@ -23,11 +23,14 @@ depend on the seed only, never on the number of threads or the chunk size.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
 from fedddl.compression.packing import PACK_SLACK, codes_per_byte, pack_padded_codes, packed_size
-from fedddl.compression.parallel import run_in_chunks
+from fedddl.compression.parallel import chunk_units, run_in_chunks, run_units
 
 __all__ = [
     "CHUNK",
@@ -35,6 +38,7 @@ __all__ = [
     "RandomBits",
     "ternarize_deterministic",
     "ternarize_stochastic",
+    "ternarize_stochastic_batch",
 ]
 
 #: Resolution of the Bernoulli probabilities: they are multiples of 2**-PROBABILITY_BITS.
@@ -113,39 +117,70 @@ def ternarize_stochastic(
     torch.Tensor
         Packed ``uint8`` codes.
     """
-    per = codes_per_byte(codec)
-    values = flat.numpy()
-    numel = values.size
-    out = _touched_bytes(packed_size(numel, codec))
-    factor = np.float32(_STEPS / scale)
-    limit = None if clip_bound is None or clip_bound >= scale else np.float32(clip_bound * factor)
+    return ternarize_stochastic_batch([flat], [scale], [clip_bound], bits, codec)[0]
 
-    def work(lo: int, hi: int) -> None:
-        bitgen = bits.fork(lo)
-        size = min(CHUNK, hi - lo)
+
+def ternarize_stochastic_batch(
+    flats: Sequence[torch.Tensor],
+    scales: Sequence[float],
+    clip_bounds: Sequence[float | None],
+    bits: RandomBits,
+    codec: str = "2bit",
+) -> list[torch.Tensor]:
+    """:func:`ternarize_stochastic` of several tensors in one threaded pass.
+
+    The result is bit-identical to calling :func:`ternarize_stochastic` on
+    each tensor in order: tensor ``k`` takes the random values that follow
+    those of tensors ``0 .. k-1`` (each rounded up to whole 64-bit words),
+    and ``bits`` ends up advanced past all of them.  The chunks of all
+    tensors are shared out over the threads, so many small tensors run as
+    fast as one large one.
+    """
+    per = codes_per_byte(codec)
+    arrays = [flat.numpy() for flat in flats]
+    outs = [_touched_bytes(packed_size(values.size, codec)) for values in arrays]
+    factors = [np.float32(_STEPS / scale) for scale in scales]
+    limits = [
+        None if bound is None or bound >= scale else np.float32(bound * factor)
+        for bound, scale, factor in zip(clip_bounds, scales, factors, strict=True)
+    ]
+    # tensor k's first random value, counted from the stream's position
+    bases = list(itertools.accumulate((-(-v.size // 4) * 4 for v in arrays), initial=0))
+    units, weights = chunk_units([values.size for values in arrays], CHUNK)
+
+    def work(first: int, stop: int) -> None:
+        size = max(weights[first:stop])
         level = np.empty(size, dtype=np.float32)
         fire = np.empty(size, dtype=bool)
         negative = np.empty(size, dtype=bool)
         codes = np.empty(size + PACK_SLACK, dtype=np.uint8)
-        for start in range(lo, hi, CHUNK):
-            chunk = values[start : min(start + CHUNK, hi)]
+        bitgen, position = None, -1
+        for k, start in units[first:stop]:
+            if bases[k] + start != position:  # not where the last chunk left the stream
+                bitgen = bits.fork(bases[k] + start)
+            chunk = arrays[k][start : start + CHUNK]
             size = chunk.size
+            assert bitgen is not None
             rand = _uint16(bitgen, size)
+            position = bases[k] + start + size
             a, f, n = level[:size], fire[:size], negative[:size]
             np.abs(chunk, out=a)
-            np.multiply(a, factor, out=a)
+            np.multiply(a, factors[k], out=a)
+            limit = limits[k]
             if limit is not None:
                 np.minimum(a, limit, out=a)
             np.subtract(a, np.float32(0.5), out=a)
             np.greater(a, rand, out=f)
             np.signbit(chunk, out=n)
             _codes_from_masks(f, n, codes)
-            first = start // per
-            pack_padded_codes(codes, size, out[first : first + packed_size(size, codec)], codec)
+            first_byte = start // per
+            target = outs[k][first_byte : first_byte + packed_size(size, codec)]
+            pack_padded_codes(codes, size, target, codec)
 
-    run_in_chunks(work, numel, CHUNK)
-    bits.skip(numel)
-    return torch.from_numpy(out)
+    run_units(work, weights, CHUNK)
+    for values in arrays:
+        bits.skip(values.size)
+    return [torch.from_numpy(out) for out in outs]
 
 
 def ternarize_deterministic(

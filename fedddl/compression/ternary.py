@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -16,11 +17,15 @@ from fedddl.compression.payload import (
     TernaryPayload,
     check_float_tensor,
 )
-from fedddl.compression.statistics import tensor_statistics
+from fedddl.compression.statistics import (
+    TensorStatistics,
+    tensor_statistics,
+    tensor_statistics_batch,
+)
 from fedddl.compression.ternarize import (
     RandomBits,
     ternarize_deterministic,
-    ternarize_stochastic,
+    ternarize_stochastic_batch,
 )
 
 __all__ = ["TernaryCompressor"]
@@ -100,15 +105,18 @@ class TernaryCompressor(Compressor):
             f"min_numel={self.min_numel}, codec={self.codec!r})"
         )
 
-    def _statistics(self, flat: torch.Tensor) -> tuple[float, float | None]:
-        """Return ``(max|g|, clip bound or None)``; raise on non-finite values."""
-        stats = tensor_statistics(flat, with_std=self.clip_sigma is not None)
+    def _bounds(self, stats: TensorStatistics) -> tuple[float, float | None]:
+        """``(max|g|, clip bound or None)`` of a tensor with these statistics."""
         if self.clip_sigma is None or stats.peak == 0.0:
             return stats.peak, None
         bound = self.clip_sigma * stats.std
         if bound == 0.0 or bound >= stats.peak:
             return stats.peak, None
         return stats.peak, bound
+
+    def _statistics(self, flat: torch.Tensor) -> tuple[float, float | None]:
+        """Return ``(max|g|, clip bound or None)``; raise on non-finite values."""
+        return self._bounds(tensor_statistics(flat, with_std=self.clip_sigma is not None))
 
     def local_scale(self, tensor: torch.Tensor) -> float | None:
         """The scaler ``s = max|g_clipped|`` (float32) for ``tensor``; ``None`` if it
@@ -140,6 +148,84 @@ class TernaryCompressor(Compressor):
         ValueError
             Non-finite values, or ``scale`` non-finite or below the local scale.
         """
+        return self._compress_many([tensor], [scale], label_errors=False)[0]
+
+    def compress_batch(
+        self, tensors: Sequence[torch.Tensor], scales: Sequence[float | None] | None = None
+    ) -> list[tuple[Payload, Context]]:
+        """:meth:`compress` of several tensors, bit-identical to calling it on each
+        in order, but with the work of all of them shared out over the threads.
+
+        Errors name the tensor by its index (``"tensor 3: ..."``); on any error
+        the random stream has not moved.
+        """
+        return self._compress_many(tensors, scales, label_errors=True)
+
+    def _compress_many(
+        self,
+        tensors: Sequence[torch.Tensor],
+        scales: Sequence[float | None] | None,
+        label_errors: bool,
+    ) -> list[tuple[Payload, Context]]:
+        scales = [None] * len(tensors) if scales is None else list(scales)
+        if len(scales) != len(tensors):
+            raise ValueError(f"{len(scales)} scales for {len(tensors)} tensors")
+
+        def label(index: int, error: Exception) -> Exception:
+            if not label_errors:
+                return error
+            return type(error)(f"tensor {index}: {error}")
+
+        results: list[tuple[Payload, Context] | None] = [None] * len(tensors)
+        pending: list[tuple[int, torch.Tensor, Context]] = []  # ternarised: index, flat, ctx
+        for index, (tensor, scale) in enumerate(zip(tensors, scales, strict=True)):
+            try:
+                results[index] = self._prepare(tensor, scale, index, pending)
+            except (ValueError, TypeError) as error:
+                raise label(index, error) from error
+        stats = tensor_statistics_batch(
+            [flat for _, flat, _ in pending],
+            with_std=self.clip_sigma is not None,
+            labels=[f"tensor {index}" for index, _, _ in pending] if label_errors else None,
+        )
+        chosen = []  # (index, flat, ctx, used scale, clip bound)
+        for (index, flat, ctx), tensor_stats in zip(pending, stats, strict=True):
+            peak, bound = self._bounds(tensor_stats)
+            try:
+                used = self._used_scale(peak if bound is None else bound, scales[index])
+            except ValueError as error:
+                raise label(index, error) from error
+            chosen.append((index, flat, ctx, used, bound))
+        # nothing can fail from here on: only now does the random stream move
+        stochastic = []
+        for index, flat, ctx, used, bound in chosen:
+            if used == 0.0:  # all-zero tensor
+                packed = torch.zeros(packed_size(flat.numel(), self.codec), dtype=torch.uint8)
+            elif self.deterministic:
+                packed = ternarize_deterministic(flat, used, bound, self.threshold, self.codec)
+            else:
+                stochastic.append((index, flat, ctx, used, bound))
+                continue
+            results[index] = (TernaryPayload(packed, used, flat.numel(), self.codec), ctx)
+        codes = ternarize_stochastic_batch(
+            [flat for _, flat, _, _, _ in stochastic],
+            [used for _, _, _, used, _ in stochastic],
+            [bound for _, _, _, _, bound in stochastic],
+            self._bits,
+            self.codec,
+        )
+        for (index, flat, ctx, used, _), packed in zip(stochastic, codes, strict=True):
+            results[index] = (TernaryPayload(packed, used, flat.numel(), self.codec), ctx)
+        return [result for result in results if result is not None]
+
+    def _prepare(
+        self,
+        tensor: torch.Tensor,
+        scale: float | None,
+        index: int,
+        pending: list[tuple[int, torch.Tensor, Context]],
+    ) -> tuple[Payload, Context] | None:
+        """The result for a tensor that needs no statistics, else queue it in ``pending``."""
         check_float_tensor(tensor)
         ctx = Context(tuple(tensor.shape), tensor.dtype)
         detached = tensor.detach()
@@ -156,20 +242,18 @@ class TernaryCompressor(Compressor):
         flat = detached.reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
         if flat.numel() == 0:
             return TernaryPayload(torch.empty(0, dtype=torch.uint8), 0.0, 0, self.codec), ctx
-        peak, bound = self._statistics(flat)
-        local = _as_float32_scale(peak if bound is None else bound)
+        pending.append((index, flat, ctx))
+        return None
+
+    @staticmethod
+    def _used_scale(local: float, scale: float | None) -> float:
+        """The float32 scaler to use: the local one, or a valid shared one."""
+        local = _as_float32_scale(local)
         if scale is None:
-            used = local
-        else:
-            if not (isinstance(scale, (int, float)) and math.isfinite(scale)):
-                raise ValueError(f"scale must be a finite number, got {scale!r}")
-            used = _as_float32_scale(scale)
-            if used < local:
-                raise ValueError(f"shared scale {scale} is below this tensor's local scale {local}")
-        if used == 0.0:  # all-zero tensor
-            packed = torch.zeros(packed_size(flat.numel(), self.codec), dtype=torch.uint8)
-        elif self.deterministic:
-            packed = ternarize_deterministic(flat, used, bound, self.threshold, self.codec)
-        else:
-            packed = ternarize_stochastic(flat, used, bound, self._bits, self.codec)
-        return TernaryPayload(packed, used, flat.numel(), self.codec), ctx
+            return local
+        if not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+            raise ValueError(f"scale must be a finite number, got {scale!r}")
+        used = _as_float32_scale(scale)
+        if used < local:
+            raise ValueError(f"shared scale {scale} is below this tensor's local scale {local}")
+        return used

@@ -34,7 +34,8 @@ import math
 import struct
 import warnings
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -129,6 +130,18 @@ def _entry_data(name: str, payload: Payload, ctx: Context) -> memoryview:
     return _raw_bytes(payload.codes)
 
 
+@contextmanager
+def _naming(name: str) -> Iterator[None]:
+    """Prefix a ``ValueError`` / ``TypeError`` raised inside with the tensor's name."""
+    try:
+        yield
+    except (ValueError, TypeError) as error:
+        if str(error).startswith(f"tensor {name!r}"):
+            raise
+        kind = ValueError if isinstance(error, ValueError) else TypeError
+        raise kind(f"tensor {name!r}: {error}") from error
+
+
 def encode_update(
     named_tensors: Mapping[str, torch.Tensor],
     compressor: Compressor,
@@ -168,31 +181,37 @@ def encode_update(
     unknown = set(scales or {}) - set(named_tensors)
     if unknown:
         raise ValueError(f"scales given for unknown tensors: {sorted(unknown)}")
-    headers: list[bytes] = []
-    data: list[memoryview] = []
-    pending: list[tuple[str, torch.Tensor, Payload, Context]] = []
+    names: list[str] = []
+    compensated: list[torch.Tensor] = []
     for name, tensor in named_tensors.items():
         if not isinstance(name, str):
             raise TypeError(f"tensor names must be str, got {type(name).__name__}")
-        try:
-            compensated = tensor if memory is None else memory.compensate(name, tensor)
-            scale = None if scales is None else scales.get(name)
-            payload, ctx = compressor.compress(compensated, scale=scale)
+        with _naming(name):
+            compensated.append(tensor if memory is None else memory.compensate(name, tensor))
+        names.append(name)
+    shared = [None if scales is None else scales.get(name) for name in names]
+    try:  # one pass over all tensors (threaded), or one by one to name the bad tensor
+        compressed = compressor.compress_batch(compensated, shared)
+    except (ValueError, TypeError):
+        compressed = []
+        for name, tensor, scale in zip(names, compensated, shared, strict=True):
+            with _naming(name):
+                compressed.append(compressor.compress(tensor, scale=scale))
+    headers: list[bytes] = []
+    data: list[memoryview] = []
+    pending: list[tuple[str, torch.Tensor, Payload, Context]] = []
+    for name, tensor, (payload, ctx) in zip(names, compensated, compressed, strict=True):
+        with _naming(name):
             headers.append(_entry_header(name, payload, ctx))
             data.append(_entry_data(name, payload, ctx))
-        except (ValueError, TypeError) as error:
-            if str(error).startswith(f"tensor {name!r}"):
-                raise
-            kind = ValueError if isinstance(error, ValueError) else TypeError
-            raise kind(f"tensor {name!r}: {error}") from error
-        pending.append((name, compensated, payload, ctx))
+        pending.append((name, tensor, payload, ctx))
     if memory is not None:
         updates = [
-            (name, compensated, compressor.decompress(payload, ctx))
-            for name, compensated, payload, ctx in pending
+            (name, tensor, compressor.decompress(payload, ctx))
+            for name, tensor, payload, ctx in pending
         ]
-        for name, compensated, decompressed in updates:
-            memory.update(name, compensated, decompressed)
+        for name, tensor, decompressed in updates:
+            memory.update(name, tensor, decompressed)
     body_length = sum(len(h) for h in headers) + sum(d.nbytes for d in data)
     total = _PREFIX.size + body_length + _CRC.size
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(headers), total)
