@@ -44,3 +44,14 @@ def torch_single_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.fixture(params=[1, 2, 3], ids=lambda t: f"{t}threads")
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Run the test with 1, 2 and 3 torch threads (the compression kernels' thread count)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    try:
+        yield request.param
+    finally:
+        torch.set_num_threads(before)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -16,16 +16,6 @@ from fedddl.compression import (
 )
 from fedddl.compression.payload import Context, Payload
 from fedddl.compression.ternarize import CHUNK
-
-
-@pytest.fixture(params=[1, 2, 3], ids=lambda t: f"{t}threads")
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    try:
-        yield request.param
-    finally:
-        torch.set_num_threads(before)
 
 
 def _tensors() -> list[torch.Tensor]:

@@ -7,8 +7,6 @@ every range boundary, chunk boundary and the partial last byte are exercised.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -19,16 +17,6 @@ from fedddl.compression.ternarize import CHUNK, PROBABILITY_BITS
 
 # three ternariser chunks and a partial byte for both codecs
 _NUMEL = 3 * CHUNK + 7
-
-
-@pytest.fixture(params=[1, 2, 3], ids=lambda t: f"{t}threads")
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    try:
-        yield request.param
-    finally:
-        torch.set_num_threads(before)
 
 
 def _reference_pack(codes: np.ndarray, codec: str) -> np.ndarray:

@@ -16,9 +16,12 @@ The random integers come from numpy's PCG64DXSM (the faster, recommended
 PCG64 variant), four 16-bit values per 64-bit output.  The work is done in
 chunks of ``CHUNK`` elements (one read of the input, temporaries that stay in
 cache) by up to ``torch.get_num_threads()`` threads (numpy releases the GIL;
-:mod:`fedddl.compression.parallel`).  Value ``i`` of a call always uses the
-``i``-th random value after the stream's position (PCG ``advance``), so codes
-depend on the seed only, never on the number of threads or the chunk size.
+:mod:`fedddl.compression.parallel`); a batch shares the chunks of all its
+tensors out over the threads.  Value ``i`` of a tensor always uses the
+``i``-th random value after the tensor's start in the stream (PCG
+``advance``; each tensor starts on a whole 64-bit word after the previous
+one's values), so codes depend on the seed and the order of the tensors only,
+never on the number of threads, the chunk size or the batching.
 """
 
 from __future__ import annotations
