@@ -53,11 +53,19 @@ def run_in_chunks(work: Callable[[int, int], None], numel: int, chunk: int) -> N
     chunks = -(-numel // chunk)
     workers = worker_count(numel, chunk)
     per = -(-chunks // workers) * chunk
-    ranges = [(lo, min(lo + per, numel)) for lo in range(0, numel, per)]
-    if len(ranges) == 1:
-        work(*ranges[0])
+    _run_groups(work, [(lo, min(lo + per, numel)) for lo in range(0, numel, per)])
+
+
+def _run_groups(work: Callable[[int, int], None], groups: Sequence[tuple[int, int]]) -> None:
+    """``work(*group)`` for every group: inline if there is one, else one per pool thread."""
+    if len(groups) == 1:
+        work(*groups[0])
         return
-    futures = [_executor().submit(work, lo, hi) for lo, hi in ranges]
+    _raise_first([_executor().submit(work, lo, hi) for lo, hi in groups])
+
+
+def _raise_first(futures: Sequence[Future[None]]) -> None:
+    """Wait for all ``futures``, then re-raise the first exception among them, if any."""
     errors = [future.exception() for future in futures]
     for error in errors:
         if error is not None:
@@ -85,9 +93,6 @@ def run_units(work: Callable[[int, int], None], weights: Sequence[int], min_weig
     if count == 0:
         return
     workers = max(1, min(torch.get_num_threads(), MAX_WORKERS, count, -(-total // min_weight)))
-    if workers == 1:
-        work(0, count)
-        return
     groups: list[tuple[int, int]] = []
     first, done = 0, 0
     for index, weight in enumerate(weights):
@@ -97,11 +102,7 @@ def run_units(work: Callable[[int, int], None], weights: Sequence[int], min_weig
             first = index + 1
     if first < count:
         groups.append((first, count))
-    futures = [_executor().submit(work, lo, hi) for lo, hi in groups]
-    errors = [future.exception() for future in futures]
-    for error in errors:
-        if error is not None:
-            raise error
+    _run_groups(work, groups)
 
 
 def run_pipelined(
@@ -117,22 +118,15 @@ def run_pipelined(
     With one thread (``torch.get_num_threads() == 1``) both run on the calling
     thread.  The first exception of any ``work`` is re-raised once all have finished.
     """
-    if numel <= 0:
-        return
-    if worker_count(numel, segment) == 1:
-        for lo in range(0, numel, segment):
-            prepare(lo, min(lo + segment, numel))
-            work(lo, min(lo + segment, numel))
-        return
     workers = worker_count(numel, segment)
     futures: list[Future[None]] = []
     for lo in range(0, numel, segment):
         hi = min(lo + segment, numel)
         prepare(lo, hi)
+        if workers == 1:
+            work(lo, hi)
+            continue
         if len(futures) >= workers:  # at most ``workers`` segments in flight
             futures[len(futures) - workers].exception()
         futures.append(_executor().submit(work, lo, hi))
-    errors = [future.exception() for future in futures]
-    for error in errors:
-        if error is not None:
-            raise error
+    _raise_first(futures)

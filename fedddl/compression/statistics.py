@@ -18,7 +18,8 @@ from fedddl.compression.parallel import chunk_units, run_units
 
 __all__ = ["TensorStatistics", "tensor_statistics", "tensor_statistics_batch"]
 
-#: Elements per chunk: reductions stream, so chunks can be larger than the ternariser's.
+#: Elements per chunk of the reductions.  Fixed, because the float32 sums within a chunk
+#: (hence the clip bound, the scale and the codes) depend on where chunks start.
 CHUNK = 1 << 18
 # below this share of E[g^2], E[g^2] - mean^2 has lost too many digits: use two passes
 _CANCELLATION_GUARD = 1e-3

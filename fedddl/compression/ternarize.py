@@ -152,18 +152,18 @@ def ternarize_stochastic_batch(
     units, weights = chunk_units([values.size for values in arrays], CHUNK)
 
     def work(first: int, stop: int) -> None:
-        size = max(weights[first:stop])
-        level = np.empty(size, dtype=np.float32)
-        fire = np.empty(size, dtype=bool)
-        negative = np.empty(size, dtype=bool)
-        codes = np.empty(size + PACK_SLACK, dtype=np.uint8)
-        bitgen, position = None, -1
+        largest = max(weights[first:stop])
+        level = np.empty(largest, dtype=np.float32)
+        fire = np.empty(largest, dtype=bool)
+        negative = np.empty(largest, dtype=bool)
+        codes = np.empty(largest + PACK_SLACK, dtype=np.uint8)
+        bitgen: np.random.PCG64DXSM | None = None
+        position = -1
         for k, start in units[first:stop]:
-            if bases[k] + start != position:  # not where the last chunk left the stream
+            if bitgen is None or bases[k] + start != position:  # not where the last chunk ended
                 bitgen = bits.fork(bases[k] + start)
             chunk = arrays[k][start : start + CHUNK]
             size = chunk.size
-            assert bitgen is not None
             rand = _uint16(bitgen, size)
             position = bases[k] + start + size
             a, f, n = level[:size], fire[:size], negative[:size]
