@@ -23,7 +23,7 @@ from typing import Any
 
 from fedddl.app_config import AppConfig
 
-__all__ = ["run"]
+__all__ = ["ray_failed_to_start", "run"]
 
 _OFFLINE_ENV = {
     "FLWR_TELEMETRY_ENABLED": "0",
@@ -33,8 +33,39 @@ _OFFLINE_ENV = {
 }
 
 
+_RAY_START_ATTEMPTS = 2
+_RAY_START_FAILURE = "timed out during startup"
+
+
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
+
+
+def _root_cause(error: BaseException) -> str:
+    return str(_causes(error)[-1]).split(".")[0]
+
+
+def ray_failed_to_start(error: BaseException) -> bool:
+    """Whether ``error`` (from ``run_simulation``) is Ray's node failing to start."""
+    return any(_RAY_START_FAILURE in str(cause) for cause in _causes(error))
+
+
+def _shutdown_ray() -> None:
+    try:
+        import ray
+
+        ray.shutdown()
+    except Exception as error:  # best effort before the second attempt
+        _stderr(f"fedddl simulate: ray.shutdown() failed: {error}")
 
 
 def run(
@@ -89,16 +120,27 @@ def run(
     from strategies.server_app import make_server_app
 
     results: list[dict[str, Any]] = []
-    run_simulation(
-        server_app=make_server_app(cfg, sink=results.append, progress=progress),
-        client_app=make_client_app(cfg),
-        num_supernodes=num_clients,
-        backend_config={
-            "client_resources": {"num_cpus": num_cpus_per_client, "num_gpus": 0.0},
-            "init_args": {"logging_level": "warning", "log_to_driver": True},
-        },
-        verbose_logging=verbose_logging,
-    )
+    for attempt in range(1, _RAY_START_ATTEMPTS + 1):
+        try:
+            run_simulation(
+                server_app=make_server_app(cfg, sink=results.append, progress=progress),
+                client_app=make_client_app(cfg),
+                num_supernodes=num_clients,
+                backend_config={
+                    "client_resources": {"num_cpus": num_cpus_per_client, "num_gpus": 0.0},
+                    "init_args": {"logging_level": "warning", "log_to_driver": True},
+                },
+                verbose_logging=verbose_logging,
+            )
+            break
+        except RuntimeError as error:
+            if attempt == _RAY_START_ATTEMPTS or not ray_failed_to_start(error):
+                raise
+            # Ray's node start (raylet registration, a fixed 30 s wait) fails now and then
+            # on a loaded machine; nothing ran yet, so starting again loses nothing.
+            _stderr(f"fedddl simulate: Ray did not start ({_root_cause(error)}); starting again")
+            results.clear()
+            _shutdown_ray()
     if not results:
         raise RuntimeError("the simulation ended without results (see the ServerApp log above)")
     result = results[0]
