@@ -18,6 +18,7 @@ from flwr.clientapp import ClientApp
 from clients.fedavg_client import handle_fedavg_evaluate, handle_fedavg_train
 from clients.localized import handle_localized_train
 from fedddl.app_config import AppConfig
+from fedddl.flower.protocol import CLIENT_SECONDS, FEDAVG_ARRAYS, METRICS, is_localized_train
 
 __all__ = ["app", "handle_train", "make_client_app"]
 
@@ -33,17 +34,16 @@ def handle_train(message: Message, context: Context, cfg: AppConfig) -> Message:
     start = time.perf_counter()
     reply = _dispatch(message, context, cfg)
     if os.environ.get("FEDDDL_CLIENT_TIMING") == "1" and not reply.has_error():
-        metrics = reply.content.metric_records.get("metrics")
+        metrics = reply.content.metric_records.get(METRICS)
         if metrics is not None:
-            metrics["client-s"] = time.perf_counter() - start
+            metrics[CLIENT_SECONDS] = time.perf_counter() - start
     return reply
 
 
 def _dispatch(message: Message, context: Context, cfg: AppConfig) -> Message:
-    config = message.content.config_records.get("config")
-    if config is not None and "model-version" in config:
+    if is_localized_train(message.content):
         return handle_localized_train(message, context, cfg)
-    if "arrays" in message.content.array_records:
+    if FEDAVG_ARRAYS in message.content.array_records:
         return handle_fedavg_train(message, context, cfg)
     raise ValueError(
         "train message is neither the localized protocol (config.model-version) "

@@ -20,19 +20,19 @@ from __future__ import annotations
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from torch import nn
 
-from fedddl.replica import Replica
-from strategies.strategy_utils import (
+from fedddl.compression import ResidualMemory
+from fedddl.flower.records import (
     pack_tensors,
     record_to_tensors,
     tensors_to_record,
     unpack_tensors,
 )
+from fedddl.replica import Replica
+from fedddl.sync.worker import WorkerState
 
 __all__ = ["ClientState", "load_state", "save_state"]
 
@@ -42,16 +42,10 @@ META_KEY = "fedddl.meta"
 LAYOUT_KEY = "fedddl.replica-layout"
 BLOB_KEY = "blob"
 _CACHE_SIZE = 256
-_live: OrderedDict[str, ClientState] = OrderedDict()
+_live: OrderedDict[str, WorkerState] = OrderedDict()
 
-
-@dataclass
-class ClientState:
-    """What a client keeps between rounds (``replica`` is None before the first message)."""
-
-    replica: Replica | None
-    compressor: str | None
-    residuals: dict[str, torch.Tensor]
+#: Deprecated alias of :class:`fedddl.sync.worker.WorkerState` (kept for one release).
+ClientState = WorkerState
 
 
 def load_state(
@@ -61,7 +55,7 @@ def load_state(
     momentum: float,
     *,
     use_cache: bool = True,
-) -> ClientState:
+) -> WorkerState:
     """Rebuild the client's state from ``context.state`` (empty → no replica).
 
     With ``use_cache`` the live objects of the matching :func:`save_state` are taken
@@ -72,7 +66,7 @@ def load_state(
     residuals = record_to_tensors(residual) if residual is not None else {}
     layout = state.config_records.get(LAYOUT_KEY)
     if meta is None or layout is None or REPLICA_KEY not in state.array_records:
-        return ClientState(None, None, residuals)
+        return WorkerState(None, None, ResidualMemory(residuals))
     version = meta.get("version")
     compressor = meta.get("compressor")
     if not isinstance(version, int) or version < 0:
@@ -92,13 +86,15 @@ def load_state(
     if blob is None:
         raise ValueError("context.state replica record has no 'blob' Array")
     replica.load_snapshot(unpack_tensors(blob, layout), version)
-    return ClientState(replica, compressor if isinstance(compressor, str) else None, residuals)
+    name = compressor if isinstance(compressor, str) else None
+    return WorkerState(replica, name, ResidualMemory(residuals))
 
 
-def save_state(state: RecordDict, client: ClientState) -> None:
+def save_state(state: RecordDict, client: WorkerState) -> None:
     """Write ``client`` into ``context.state`` (replaces the previous records)."""
-    if client.residuals:
-        state[RESIDUAL_KEY] = tensors_to_record(client.residuals)
+    residuals = client.memory.residuals
+    if residuals:
+        state[RESIDUAL_KEY] = tensors_to_record(residuals)
     if client.replica is not None:
         token = uuid.uuid4().hex
         blob, layout = pack_tensors(client.replica.snapshot(copy=False))

@@ -12,9 +12,12 @@ the key.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = ["DOWNLINKS", "PARTITIONS", "AppConfig"]
 
@@ -202,6 +205,15 @@ class AppConfig:
                 importlib.import_module(name)
             except ImportError as err:
                 raise ValueError(f"plugins: cannot import {name!r}: {err}") from err
+
+    def model_factory(self) -> Callable[[], nn.Module]:
+        """The seeded model constructor of this run, the same in the server and every client.
+
+        See :func:`fedddl.models.seeded_model_factory`.
+        """
+        from fedddl.models import seeded_model_factory
+
+        return seeded_model_factory(self.dataset, seed=self.seed, arch=self.arch)
 
     def replace(self, **changes: Any) -> AppConfig:
         """Return a copy with ``changes`` (snake_case field names) applied."""

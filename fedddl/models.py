@@ -7,14 +7,24 @@ state is left untouched.
 
 from __future__ import annotations
 
+import copy
 import math
+from collections.abc import Callable
+from functools import lru_cache
 
 import torch
 from torch import nn
 
 from fedddl.data.registry import dataset_info
 
-__all__ = ["ARCHITECTURES", "DigitsMLP", "SmallCNN", "cifar_resnet18", "create_model"]
+__all__ = [
+    "ARCHITECTURES",
+    "DigitsMLP",
+    "SmallCNN",
+    "cifar_resnet18",
+    "create_model",
+    "seeded_model_factory",
+]
 
 ARCHITECTURES: tuple[str, ...] = ("mlp", "cnn", "resnet18")
 
@@ -106,3 +116,21 @@ def create_model(dataset: str, *, seed: int, arch: str | None = None) -> nn.Modu
         if name == "cnn":
             return SmallCNN(info.input_shape, info.num_classes)
         return cifar_resnet18(info.input_shape, info.num_classes)
+
+
+@lru_cache(maxsize=8)
+def _seeded_model(dataset: str, seed: int, arch: str) -> nn.Module:
+    return create_model(dataset, seed=seed, arch=arch or None)
+
+
+def seeded_model_factory(dataset: str, *, seed: int, arch: str = "") -> Callable[[], nn.Module]:
+    """Return the seeded model constructor shared by a server and every client.
+
+    :func:`create_model` is deterministic in the seed, so the model is built once per
+    process and each call returns a deep copy (cheaper than re-initialising).
+    """
+
+    def build() -> nn.Module:
+        return copy.deepcopy(_seeded_model(dataset, seed, arch))
+
+    return build

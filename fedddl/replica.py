@@ -26,7 +26,7 @@ resync_cost``), bytes of the catch-up message: missed 1 → 1,198; 2 → 2,328;
 4 → 4,588; 8 → 9,108; 16 → snapshot, 38,975. A size-8 log holds about 9 kB.
 
 This module is torch-only (no Flower): records conversion lives in
-``strategies.strategy_utils``.
+:mod:`fedddl.flower.records`.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from fedddl.training import check_parameter_tensors
 
 __all__ = [
     "CatchUp",
@@ -56,40 +58,14 @@ class ReplicaError(ValueError):
 
 
 def check_update(model: nn.Module, update: Mapping[str, torch.Tensor]) -> None:
-    """Check that ``update`` holds one finite tensor per trainable parameter of ``model``.
-
-    Parameters
-    ----------
-    model : torch.nn.Module
-        Model whose ``named_parameters`` (requiring grad) the update must match.
-    update : Mapping[str, torch.Tensor]
-        Parameter name to gradient-like tensor.
+    """Check that ``update`` holds one finite float tensor per trainable parameter of ``model``.
 
     Raises
     ------
     ReplicaError
         Naming the missing / unexpected parameter, a shape mismatch or non-finite values.
     """
-    expected = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    missing = sorted(set(expected) - set(update))
-    extra = sorted(set(update) - set(expected))
-    if missing or extra:
-        raise ReplicaError(
-            f"update names do not match the model: missing {missing}, unexpected {extra}"
-        )
-    for name, param in expected.items():
-        tensor = update[name]
-        if not isinstance(tensor, torch.Tensor):
-            raise ReplicaError(f"update entry {name!r} is not a tensor")
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise ReplicaError(
-                f"update entry {name!r} has shape {tuple(tensor.shape)}, "
-                f"parameter has {tuple(param.shape)}"
-            )
-        if not torch.is_floating_point(tensor):
-            raise ReplicaError(f"update entry {name!r} has non-float dtype {tensor.dtype}")
-        if not bool(torch.isfinite(tensor).all()):
-            raise ReplicaError(f"update entry {name!r} has non-finite values")
+    check_parameter_tensors(model, update, what="update", finite=True, error=ReplicaError)
 
 
 class Replica:

@@ -10,7 +10,7 @@ Each experiment is a TOML file in ``simulations/experiments/`` (see
 same Python APIs as ``fedddl simulate`` / ``fedddl gossip``; its JSON lands in
 ``OUT/<experiment>/<variant>/seed<S>.json`` and ``OUT/manifest.json`` is
 rewritten after every run, so an interrupted suite keeps what it finished
-(``--resume`` then skips those runs). Finally ``fedddl.report.build_report``
+(``--resume`` then skips those runs). Finally ``fedddl.report.build.build_report``
 writes ``OUT/report.md``, ``OUT/summary.csv`` and the PNGs.
 """
 
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: fin
 from experiment_spec import ExperimentSpec, VariantSpec, load_experiment
 from tool_runners import RUNNERS, command_line, shard_statistics
 
-from fedddl.report_manifest import MANIFEST_NAME, write_manifest
+from fedddl.report.manifest import MANIFEST_NAME, write_manifest
 
 __all__ = [
     "EXPERIMENTS", "build_parser", "hardware_description", "main", "parse_only", "run_suite",
@@ -232,7 +232,7 @@ def run_suite(
         exp["runtime_s"] = sum(r["runtime_s"] for v in exp["variants"] for r in v["runs"])
         write_manifest(out, manifest)
     if report:
-        from fedddl.report import build_report
+        from fedddl.report.build import build_report
 
         result = build_report(out)
         print(result.markdown)

@@ -26,7 +26,7 @@ _SIMULATE_FLAGS = {"num-clients": "--num-clients", "num-server-rounds": "--round
 
 def run_simulate_config(config: dict[str, Any]) -> dict[str, Any]:
     """Run one Flower simulation in-process; returns the ``fedddl simulate`` JSON dict."""
-    from fedddl.simulate import run
+    from fedddl.flower.simulation import run
 
     run_config = {k: v for k, v in config.items() if k != "num-clients"}
     result: dict[str, Any] = run(run_config, num_clients=int(config["num-clients"]),

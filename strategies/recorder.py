@@ -22,10 +22,10 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord, MetricRecord
 from flwr.common.logger import log
-from flwr.serverapp.strategy import Strategy
 from torch import nn
 
-from strategies.counting_grid import CountingGrid
+from fedddl.flower.grid import CountingGrid
+from fedddl.sync.report import RoundReport
 
 __all__ = ["RoundRecorder"]
 
@@ -41,8 +41,8 @@ class RoundRecorder:
         Held-out split.
     grid : CountingGrid
         Source of the byte counts (reset after every round).
-    strategy : Strategy
-        Queried for ``last_report`` (TernGrad and subclasses).
+    round_report : Callable[[], RoundReport | None] | None
+        The strategy's report of the latest round (replica-keeping strategies), else None.
     num_rounds : int
         For the progress line (the run's total, global rounds).
     progress : Callable[[str], None] | None
@@ -59,7 +59,7 @@ class RoundRecorder:
         x_test: torch.Tensor,
         y_test: torch.Tensor,
         grid: CountingGrid,
-        strategy: Strategy,
+        round_report: Callable[[], RoundReport | None] | None,
         num_rounds: int,
         progress: Callable[[str], None] | None = None,
         round_offset: int = 0,
@@ -72,7 +72,7 @@ class RoundRecorder:
         self.on_round = on_round
         self.x_test, self.y_test = x_test, y_test
         self.grid = grid
-        self.strategy = strategy
+        self.round_report = round_report
         self.num_rounds = num_rounds
         self.progress = progress or (lambda line: log(INFO, "%s", line))
         self.rounds: list[dict[str, Any]] = []
@@ -91,7 +91,7 @@ class RoundRecorder:
             self.grid.reset()
             self._mark = time.perf_counter()
             return MetricRecord({"accuracy": acc, "loss": loss})
-        report = getattr(self.strategy, "last_report", None)
+        report = None if self.round_report is None else self.round_report()
         global_round = server_round + self.round_offset
         record: dict[str, Any] = {
             "round": global_round,

@@ -62,8 +62,8 @@ def test_json_has_the_documented_fields(simulated: dict[str, Any]) -> None:
 
 def test_ray_run_matches_the_in_process_run_exactly(simulated: dict[str, Any]) -> None:
     from clients.client_app import make_client_app
-    from strategies.inline_grid import InlineGrid
     from strategies.server_app import run_server
+    from tests.support.inline_grid import InlineGrid
 
     cfg = AppConfig(num_server_rounds=3, seed=1, learning_rate=0.2, min_available_nodes=2)
     local = run_server(InlineGrid(make_client_app(cfg), 3), cfg, progress=lambda _: None)

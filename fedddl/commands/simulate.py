@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the simulation; exit code 0 on success, 2 on a bad configuration."""
     from fedddl.app_config import AppConfig
-    from fedddl.simulate import run as simulate
+    from fedddl.flower.simulation import run as simulate
 
     try:
         cfg = AppConfig(

@@ -22,6 +22,8 @@ from fedddl.compression.payload import (
 from fedddl.compression.registry import (
     available_compressors,
     get_compressor,
+    is_ternary,
+    make_compressor,
     register_compressor,
 )
 from fedddl.compression.sharing import local_scales, max_scales
@@ -50,7 +52,9 @@ __all__ = [
     "decode_update",
     "encode_update",
     "get_compressor",
+    "is_ternary",
     "local_scales",
+    "make_compressor",
     "max_scales",
     "pack_codes",
     "register_compressor",

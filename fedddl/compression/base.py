@@ -23,6 +23,14 @@ class Compressor(ABC):
     #: Registry name of the compressor.
     name: str = "compressor"
 
+    #: Capability: payloads are ternary codes times one scale per tensor (TernGrad-style).
+    #: A ternary compressor's factory accepts the keyword arguments ``seed`` and
+    #: ``clip_sigma`` (see :func:`~fedddl.compression.make_compressor`), its
+    #: :meth:`compress` accepts ``scale=`` and :meth:`local_scale` returns its scaler, so it
+    #: can take part in scaler sharing and in the ``shared-scale-sum`` downlink.
+    #: A plug-in compressor opts in by setting it to ``True``.
+    ternary: bool = False
+
     @abstractmethod
     def compress(
         self, tensor: torch.Tensor, *, scale: float | None = None

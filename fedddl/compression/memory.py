@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 
 import torch
 
@@ -42,11 +43,13 @@ class ResidualMemory(Memory):
 
     Over steps, ``sum(decompressed) + residual == sum(inputs)`` (up to float
     rounding): nothing that compression dropped is lost, only delayed.
-    Residuals are kept in the tensor's own dtype.
+    Residuals are kept in the tensor's own dtype; ``residuals`` restores saved ones.
     """
 
-    def __init__(self) -> None:
-        self._residuals: dict[str, torch.Tensor] = {}
+    def __init__(self, residuals: Mapping[str, torch.Tensor] | None = None) -> None:
+        self._residuals: dict[str, torch.Tensor] = {
+            name: r.detach().clone() for name, r in (residuals or {}).items()
+        }
 
     @property
     def residuals(self) -> dict[str, torch.Tensor]:

@@ -9,7 +9,13 @@ from fedddl.compression.base import Compressor
 from fedddl.compression.identity import IdentityCompressor
 from fedddl.compression.ternary import TernaryCompressor
 
-__all__ = ["available_compressors", "get_compressor", "register_compressor"]
+__all__ = [
+    "available_compressors",
+    "get_compressor",
+    "is_ternary",
+    "make_compressor",
+    "register_compressor",
+]
 
 CompressorFactory = Callable[..., Compressor]
 
@@ -52,6 +58,38 @@ def get_compressor(name: str, **kwargs: Any) -> Compressor:
         kind = type(compressor).__name__
         raise TypeError(f"factory for {name!r} returned {kind}, not a Compressor")
     return compressor
+
+
+def make_compressor(name: str, *, seed: int, clip_sigma: float) -> Compressor:
+    """Build the compressor registered as ``name`` for one use (one message, one seed).
+
+    A compressor whose :attr:`~fedddl.compression.Compressor.ternary` capability is set
+    is built with ``seed`` and ``clip_sigma``; any other with its factory's defaults.
+
+    Raises
+    ------
+    ValueError
+        If ``name`` is not registered.
+    """
+    if name not in _REGISTRY:
+        raise ValueError(
+            f"unknown compressor {name!r}; registered: {', '.join(available_compressors())}"
+        )
+    compressor = get_compressor(name)
+    if compressor.ternary:
+        return get_compressor(name, seed=seed, clip_sigma=clip_sigma)
+    return compressor
+
+
+def is_ternary(name: str) -> bool:
+    """Whether the compressor registered as ``name`` has the ``ternary`` capability.
+
+    Raises
+    ------
+    ValueError
+        If ``name`` is not registered.
+    """
+    return make_compressor(name, seed=0, clip_sigma=2.5).ternary
 
 
 def available_compressors() -> list[str]:

@@ -70,6 +70,7 @@ class TernaryCompressor(Compressor):
     """
 
     name = "ternary"
+    ternary = True
 
     def __init__(
         self,

@@ -58,6 +58,8 @@ from fedddl.compression.payload import (
     TernaryPayload,
     check_float_tensor,
 )
+from fedddl.framing import CRC as _CRC
+from fedddl.framing import check_crc, check_magic, crc32_of
 
 __all__ = [
     "FORMAT_VERSION",
@@ -78,7 +80,6 @@ MAX_NDIM = 16
 MAX_DIM = 1 << 48  # torch shapes are int64; no real tensor comes near this
 
 _PREFIX = struct.Struct("<4sBBIQ")
-_CRC = struct.Struct("<I")
 _MIN_ENTRY = 2 + 3  # empty name, dtype, kind, ndim
 _KIND_DENSE, _KIND_2BIT, _KIND_BASE3 = 0, 1, 2
 _KIND_OF_CODEC = {"2bit": _KIND_2BIT, "base3": _KIND_BASE3}
@@ -148,6 +149,7 @@ def encode_update(
     memory: Memory | None = None,
     *,
     scales: Mapping[str, float] | None = None,
+    clamp: bool = False,
 ) -> bytes:
     """Compress and serialise ``named_tensors`` into one message.
 
@@ -163,6 +165,13 @@ def encode_update(
         compressed successfully (a failure leaves the memory unchanged).
     scales:
         Optional shared scalers by name, passed to ``compressor.compress(scale=)``.
+    clamp:
+        With ``scales``: clamp each compensated tensor to ``[-scale, scale]`` before
+        compressing it (scaler sharing with scales agreed in an earlier round, which may
+        lie below this tensor's own). The memory then keeps what the clamp cut off too.
+
+    The order is fixed here, in one place: compensate, clamp, compress, update the
+    memory, serialise.
 
     Returns
     -------
@@ -190,11 +199,16 @@ def encode_update(
             compensated.append(tensor if memory is None else memory.compensate(name, tensor))
         names.append(name)
     shared = [None if scales is None else scales.get(name) for name in names]
+    inputs = compensated
+    if clamp:
+        inputs = [
+            t if s is None else t.clamp(-s, s) for t, s in zip(compensated, shared, strict=True)
+        ]
     try:  # one pass over all tensors (threaded), or one by one to name the bad tensor
-        compressed = compressor.compress_batch(compensated, shared)
+        compressed = compressor.compress_batch(inputs, shared)
     except (ValueError, TypeError):
         compressed = []
-        for name, tensor, scale in zip(names, compensated, shared, strict=True):
+        for name, tensor, scale in zip(names, inputs, shared, strict=True):
             with _naming(name):
                 compressed.append(compressor.compress(tensor, scale=scale))
     headers: list[bytes] = []
@@ -215,11 +229,7 @@ def encode_update(
     body_length = sum(len(h) for h in headers) + sum(d.nbytes for d in data)
     total = _PREFIX.size + body_length + _CRC.size
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(headers), total)
-    crc = zlib.crc32(prefix)
-    for header in headers:
-        crc = zlib.crc32(header, crc)
-    for part in data:
-        crc = zlib.crc32(part, crc)
+    crc = crc32_of(data, crc32_of(headers, zlib.crc32(prefix)))
     return b"".join([prefix, *headers, *data, _CRC.pack(crc)])
 
 
@@ -244,17 +254,20 @@ def _check_prefix(view: memoryview) -> int:
     if len(view) < _PREFIX.size + _CRC.size:
         raise PayloadError(f"truncated: {len(view)} bytes is shorter than the fixed header")
     magic, version, flags, count, total = _PREFIX.unpack_from(view)
-    if magic != MAGIC:
-        raise PayloadError(f"wrong magic {bytes(magic)!r}, expected {MAGIC!r}")
-    if version != FORMAT_VERSION:
-        raise PayloadError(f"unsupported version {version}, expected {FORMAT_VERSION}")
+    check_magic(
+        "compressed update",
+        magic,
+        version,
+        expected_magic=MAGIC,
+        expected_version=FORMAT_VERSION,
+        error=PayloadError,
+    )
     if len(view) < total:
         raise PayloadError(f"truncated: header declares {total} bytes, got {len(view)}")
     if len(view) > total:
         raise PayloadError(f"{len(view) - total} trailing bytes after the declared {total}")
     (crc,) = _CRC.unpack_from(view, total - _CRC.size)
-    if zlib.crc32(view[: total - _CRC.size]) != crc:
-        raise PayloadError("CRC mismatch: the message is corrupted")
+    check_crc("compressed update", view[: total - _CRC.size], crc, error=PayloadError)
     if flags != 0:
         raise PayloadError(f"unknown flags {flags:#x}")
     if count > MAX_TENSORS or count * _MIN_ENTRY > total - _PREFIX.size - _CRC.size:

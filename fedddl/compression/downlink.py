@@ -1,4 +1,4 @@
-"""Encoding of the broadcast (downlink) update, shared by the server and every client.
+"""The broadcast (downlink) update formats, shared by the server and every client.
 
 Two formats, told apart by the first byte:
 
@@ -25,13 +25,16 @@ from __future__ import annotations
 
 import math
 import struct
-import zlib
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
-from fedddl.compression import Compressor, Memory, PayloadError, decode_update, encode_update
+from fedddl.compression.base import Compressor
+from fedddl.compression.errors import PayloadError
+from fedddl.compression.memory import Memory
+from fedddl.compression.wire import decode_update, encode_update
+from fedddl.framing import CRC, seal, unseal
 
 __all__ = [
     "TAG_ENCODED",
@@ -46,7 +49,7 @@ __all__ = [
 TAG_ENCODED = b"E"
 TAG_SHARED_SUM = b"S"
 _HEAD = struct.Struct("<cHI")
-_CRC = struct.Struct("<I")
+_WHAT = "shared-sum update"
 
 
 def encode_reencoded(
@@ -116,16 +119,13 @@ def encode_shared_sum(
         shifted = (values + n).numpy().astype(np.uint32)
         bit_matrix = ((shifted[:, None] >> np.arange(bits, dtype=np.uint32)) & 1).astype(np.uint8)
         blobs.append(np.packbits(bit_matrix.reshape(-1), bitorder="little").tobytes())
-    body = _HEAD.pack(TAG_SHARED_SUM, n, len(headers)) + b"".join(headers) + b"".join(blobs)
-    return body + _CRC.pack(zlib.crc32(body))
+    return seal(_HEAD.pack(TAG_SHARED_SUM, n, len(headers)) + b"".join(headers) + b"".join(blobs))
 
 
 def _decode_shared_sum(data: bytes) -> dict[str, torch.Tensor]:
-    if len(data) < _HEAD.size + _CRC.size:
-        raise PayloadError("shared-sum update is truncated")
-    body, (crc,) = data[: -_CRC.size], _CRC.unpack(data[-_CRC.size :])
-    if zlib.crc32(body) != crc:
-        raise PayloadError("shared-sum update: CRC mismatch")
+    if len(data) < _HEAD.size + CRC.size:
+        raise PayloadError(f"{_WHAT} is truncated: {len(data)} bytes")
+    body = bytes(unseal(_WHAT, data, error=PayloadError))
     _, n, count = _HEAD.unpack_from(body)
     if n < 1:
         raise PayloadError("shared-sum update: N must be >= 1")

@@ -1,0 +1,179 @@
+"""The client side of the localized-replica protocol, without Flower.
+
+Per instruction (:func:`run_instruction`): bring the replica to the requested version
+(load the server's snapshot, or build the seeded model, then apply the missed broadcast
+updates in version order with the shared optimiser), compute the (pseudo-)gradient of
+``local-steps`` minibatches on the shard, encode it with the uplink compressor (error
+feedback and scaler sharing through :mod:`fedddl.compression`) and answer with payload,
+fingerprint and version. A client that cannot reach the requested version answers
+``resync`` with the version it holds (-1: none), and the server sends a log catch-up or
+a snapshot next time.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fedddl.app_config import AppConfig
+from fedddl.compression import (
+    PayloadError,
+    ResidualMemory,
+    encode_update,
+    local_scales,
+    make_compressor,
+)
+from fedddl.compression.downlink import decode_broadcast
+from fedddl.replica import Replica, ReplicaError
+from fedddl.seeding import derive_seed
+from fedddl.sync.messages import ClientReply, TrainInstruction, fingerprint_prefix
+from fedddl.training import iterate_minibatches, local_sgd, named_gradients
+
+__all__ = ["WorkerState", "compute_pseudo_gradient", "reach_version", "run_instruction"]
+
+
+@dataclass
+class WorkerState:
+    """What a client keeps between rounds (``replica`` is None before the first message).
+
+    Attributes
+    ----------
+    replica : Replica | None
+        The client's replica.
+    compressor : str | None
+        The uplink compressor name, once the server has told it.
+    memory : ResidualMemory
+        Error-feedback residuals of the uplink (empty unless ``error-feedback``).
+    """
+
+    replica: Replica | None = None
+    compressor: str | None = None
+    memory: ResidualMemory = field(default_factory=ResidualMemory)
+
+
+def compute_pseudo_gradient(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    batch_size: int,
+    local_steps: int,
+    learning_rate: float,
+    seed: int,
+) -> tuple[dict[str, torch.Tensor], float, int]:
+    """Return ``(pseudo-gradient, mean loss, examples used)``; ``model`` is left unchanged.
+
+    One step: the minibatch gradient at the replica. ``K`` steps: plain SGD on a copy,
+    and the sum of the K gradients along the way, i.e. ``(w_0 - w_K) / lr``.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    batches = iterate_minibatches(x, y, min(batch_size, x.shape[0]), generator)
+    work = model if local_steps == 1 else copy.deepcopy(model)
+    buffers = {k: b.detach().clone() for k, b in work.named_buffers()}
+    optimizer = None
+    if local_steps > 1:
+        params = [p for p in work.parameters() if p.requires_grad]
+        optimizer = torch.optim.SGD(params, lr=learning_rate, momentum=0.0, foreach=False)
+    total: dict[str, torch.Tensor] = {}
+
+    def collect() -> None:
+        grads = named_gradients(work)
+        total.update(grads if not total else {k: total[k] + grads[k] for k in total})
+
+    loss, examples = local_sgd(work, batches, local_steps, optimizer, on_gradient=collect)
+    work.zero_grad(set_to_none=True)
+    if work is model:  # the replica's buffers (e.g. BatchNorm) change only via updates
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                b.copy_(buffers[k])
+    return total, loss, examples
+
+
+def reach_version(
+    state: WorkerState,
+    instruction: TrainInstruction,
+    model_fn: Callable[[], nn.Module],
+    cfg: AppConfig,
+) -> Replica | None:
+    """Bring ``state.replica`` to ``instruction.model_version``; None if that is impossible."""
+    if instruction.snapshot is not None:
+        fresh = Replica(model_fn(), cfg.learning_rate, cfg.momentum, version=0)
+        fresh.load_snapshot(instruction.snapshot, instruction.snapshot_version)
+        state.replica = fresh
+    elif state.replica is None:
+        first = instruction.updates[0][0] if instruction.updates else instruction.model_version + 1
+        if first != 1:
+            return None
+        state.replica = Replica(model_fn(), cfg.learning_rate, cfg.momentum, version=0)
+    replica = state.replica
+    for version, payload in instruction.updates:
+        if version <= replica.version:
+            continue
+        if version != replica.version + 1:
+            break
+        try:
+            replica.apply_update(decode_broadcast(payload), version)
+        except (PayloadError, ReplicaError):
+            break
+    return replica if replica.version == instruction.model_version else None
+
+
+def run_instruction(
+    state: WorkerState,
+    instruction: TrainInstruction,
+    *,
+    node_id: int,
+    partition_id: int,
+    shard: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    model_fn: Callable[[], nn.Module],
+    cfg: AppConfig,
+) -> ClientReply:
+    """Follow one instruction and return the reply (see the module docstring).
+
+    ``state`` is updated in place (replica, compressor, residuals). ``shard`` returns the
+    client's ``(x, y)``; it is called only when a gradient is computed.
+    """
+    if instruction.compressor is not None:
+        state.compressor = instruction.compressor
+    replica = reach_version(state, instruction, model_fn, cfg)
+    if replica is None or state.compressor is None:
+        version = -1 if state.replica is None or state.compressor is None else state.replica.version
+        return ClientReply.resync_request(node_id, version)
+    x, y = shard()
+    grads, loss, examples = compute_pseudo_gradient(
+        replica.model,
+        x,
+        y,
+        batch_size=cfg.batch_size,
+        local_steps=cfg.local_steps,
+        learning_rate=cfg.learning_rate,
+        seed=derive_seed(cfg.seed, partition_id, instruction.server_round, 3),
+    )
+    compressor = make_compressor(
+        state.compressor,
+        seed=derive_seed(cfg.seed, partition_id, instruction.server_round, 5),
+        clip_sigma=cfg.clip_sigma,
+    )
+    memory = state.memory if cfg.error_feedback else None
+    mine = None
+    if instruction.want_scales:
+        found = local_scales(grads, compressor, memory)
+        mine = torch.tensor([found.get(k, 0.0) for k in grads], dtype=torch.float32)
+    shared = None
+    if instruction.scales is not None and instruction.scales.numel() == len(grads):
+        pairs = zip(grads, instruction.scales.tolist(), strict=True)
+        shared = {k: s for k, s in pairs if s > 0}
+    payload = encode_update(grads, compressor, memory, scales=shared, clamp=True)
+    return ClientReply(
+        node_id=node_id,
+        model_version=replica.version,
+        fingerprint=fingerprint_prefix(replica.fingerprint()).hex(),
+        payload=payload,
+        num_examples=examples,
+        loss=loss,
+        scales=mine,
+    )
