@@ -17,8 +17,11 @@ from flwr.clientapp import ClientApp
 
 from clients.fedavg_client import handle_fedavg_evaluate, handle_fedavg_train
 from clients.localized import handle_localized_train
+from clients.malicious import handle_malicious_train, is_attacker
+from clients.roll_call import handle_roll_call
 from fedddl.app_config import AppConfig
 from fedddl.flower.protocol import CLIENT_SECONDS, FEDAVG_ARRAYS, METRICS, is_localized_train
+from fedddl.flower.roll_call import ACTION as ROLL_CALL
 
 __all__ = ["app", "handle_train", "make_client_app"]
 
@@ -42,6 +45,8 @@ def handle_train(message: Message, context: Context, cfg: AppConfig) -> Message:
 
 def _dispatch(message: Message, context: Context, cfg: AppConfig) -> Message:
     if is_localized_train(message.content):
+        if cfg.num_attackers and is_attacker(context, cfg):  # attack evaluation only
+            return handle_malicious_train(message, context, cfg)
         return handle_localized_train(message, context, cfg)
     if FEDAVG_ARRAYS in message.content.array_records:
         return handle_fedavg_train(message, context, cfg)
@@ -81,6 +86,8 @@ def make_client_app(cfg: AppConfig | None = None) -> ClientApp:
     from clients.gossip_client import handle_gossip
 
     client.query("gossip")(handle_gossip)
+    # Attack evaluation: which node holds which partition (fedddl.flower.roll_call).
+    client.query(ROLL_CALL)(handle_roll_call)
     return client
 
 

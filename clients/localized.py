@@ -14,13 +14,20 @@ from clients.shard import load_shard, partition_of
 from clients.state import load_state, save_state
 from fedddl.app_config import AppConfig
 from fedddl.flower.protocol import build_reply_content, parse_train_content
+from fedddl.sync.messages import ClientReply
 from fedddl.sync.worker import run_instruction
 
-__all__ = ["handle_localized_train"]
+__all__ = ["compute_reply", "handle_localized_train"]
 
 
 def handle_localized_train(message: Message, context: Context, cfg: AppConfig) -> Message:
     """Handle one TernGrad/GradientAverage training message (see the module docstring)."""
+    reply = compute_reply(message, context, cfg)
+    return Message(content=build_reply_content(reply), reply_to=message)
+
+
+def compute_reply(message: Message, context: Context, cfg: AppConfig) -> ClientReply:
+    """Follow one training message and return the (Flower-free) reply; saves the state."""
     instruction = parse_train_content(message.content)
     pid, num = partition_of(context.node_config)
     model_fn = cfg.model_factory()
@@ -35,4 +42,4 @@ def handle_localized_train(message: Message, context: Context, cfg: AppConfig) -
         cfg=cfg,
     )
     save_state(context.state, state)
-    return Message(content=build_reply_content(reply), reply_to=message)
+    return reply

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch import nn
 
+    from fedddl.defenses import Defenses
+
 __all__ = ["DOWNLINKS", "PARTITIONS", "AppConfig"]
 
 # Keys of the gossip mode share the Flower run config but not this dataclass.
@@ -90,6 +92,33 @@ class AppConfig:
         Save a checkpoint after every ``checkpoint_every``-th (global) round; 0 never saves.
     checkpoint_keep : int
         Newest checkpoints kept in ``checkpoint_dir`` (older ones are deleted).
+    checkpoint_allow_fresh_start : bool
+        When ``checkpoint_dir`` holds checkpoint files but none is readable, start from
+        round 0 (overwriting them) instead of stopping with an error.
+    checkpoint_key_file : str
+        File holding a secret key (at least 16 bytes): checkpoints are then written with an
+        HMAC-SHA256 tag and only checkpoints with a valid tag are loaded.
+    aggregator : str
+        How a TernGrad-family server combines the accepted gradients: ``"mean"``,
+        ``"median"``, ``"trimmed-mean"`` or ``"sign-vote"`` (:mod:`fedddl.sync.robust`).
+    trim_fraction : float
+        Share of the values cut from each end by ``"trimmed-mean"``, in ``[0, 0.5)``.
+    scale_bound : float
+        Bound ``k`` on the ternary scales: a reply's scale above ``k ×`` the median scale of
+        the round (and recent rounds) is clipped or dropped; also caps the shared scales of
+        ``shared-scale-sum``; 0 disables it (:mod:`fedddl.sync.scale_bound`).
+    scale_bound_action : str
+        ``"clip"`` or ``"drop"`` a reply above the bound.
+    scale_bound_rounds : int
+        Previous rounds whose accepted scales join the bound's median.
+    resync_interval : int
+        Resyncs (snapshots, multi-update catch-ups) a node causes are served at most once
+        every this many rounds; 0 or 1: no limit (:mod:`fedddl.sync.resync_limit`).
+    attack : str
+        Attack evaluation only: ``KIND[:ARG]`` run by ``num_attackers`` clients
+        (:mod:`fedddl.attacks.spec`); empty: none.
+    num_attackers : int
+        Clients (partition ids chosen from ``seed``) that run ``attack``.
     """
 
     num_server_rounds: int = 100
@@ -117,6 +146,16 @@ class AppConfig:
     checkpoint_dir: str = ""
     checkpoint_every: int = 0
     checkpoint_keep: int = 3
+    checkpoint_allow_fresh_start: bool = False
+    checkpoint_key_file: str = ""
+    aggregator: str = "mean"
+    trim_fraction: float = 0.2
+    scale_bound: float = 8.0
+    scale_bound_action: str = "clip"
+    scale_bound_rounds: int = 10
+    resync_interval: int = 25
+    attack: str = ""
+    num_attackers: int = 0
 
     def __post_init__(self) -> None:
         """Validate every field; raise ``ValueError`` naming the bad key."""
@@ -161,6 +200,16 @@ class AppConfig:
             raise ValueError(f"checkpoint-keep must be >= 1, got {self.checkpoint_keep}")
         if self.checkpoint_every > 0 and not self.checkpoint_dir:
             raise ValueError("checkpoint-every > 0 needs a checkpoint-dir")
+        self.defenses()  # validates aggregator, trim-fraction, scale-bound-*, resync-interval
+        from fedddl.attacks.spec import parse_attack
+
+        attack = parse_attack(self.attack)
+        if self.num_attackers < 0:
+            raise ValueError(f"num-attackers must be >= 0, got {self.num_attackers}")
+        if attack is None and self.num_attackers > 0:
+            raise ValueError("num-attackers > 0 needs an attack (e.g. attack = 'sign-flip')")
+        if attack is not None and self.num_attackers == 0:
+            raise ValueError(f"attack {self.attack!r} needs num-attackers >= 1")
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> AppConfig:
@@ -214,6 +263,25 @@ class AppConfig:
         from fedddl.models import seeded_model_factory
 
         return seeded_model_factory(self.dataset, seed=self.seed, arch=self.arch)
+
+    def defenses(self) -> Defenses:
+        """The server's defence settings (:class:`fedddl.defenses.Defenses`).
+
+        Raises
+        ------
+        ValueError
+            Naming a bad setting.
+        """
+        from fedddl.defenses import Defenses
+
+        return Defenses(
+            aggregator=self.aggregator,
+            trim_fraction=self.trim_fraction,
+            scale_bound=self.scale_bound,
+            scale_bound_action=self.scale_bound_action,
+            scale_bound_rounds=self.scale_bound_rounds,
+            resync_interval=self.resync_interval,
+        )
 
     def replace(self, **changes: Any) -> AppConfig:
         """Return a copy with ``changes`` (snake_case field names) applied."""

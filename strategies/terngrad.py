@@ -44,7 +44,7 @@ from torch import nn
 
 from fedddl.app_config import AppConfig
 from fedddl.flower.logs import use_flower_logging
-from fedddl.flower.protocol import build_train_content, parse_reply
+from fedddl.flower.protocol import MAX_EXAMPLES, build_train_content, parse_reply
 from fedddl.sync import ClientReply, FingerprintMismatch, ParseFailure, ReplicaServer, ReplyError
 from fedddl.sync import RoundReport as RoundReport
 from strategies.sampling import sample_nodes
@@ -65,10 +65,12 @@ class TernGrad(ReplicaServer, Strategy):
         Nodes to wait for before sampling.
     wait_timeout : float
         Seconds to wait for ``min_available_nodes`` before failing.
+    max_examples : int
+        Largest ``num-examples`` a reply may report (larger: dropped).
     **server : Any
         The :class:`~fedddl.sync.server.ReplicaServer` settings: ``learning_rate``,
         ``momentum``, ``compressor``, ``clip_sigma``, ``downlink``, ``update_log_size``,
-        ``seed``, ``min_replies``.
+        ``seed``, ``min_replies``, ``defenses``.
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class TernGrad(ReplicaServer, Strategy):
         fraction_train: float = 1.0,
         min_available_nodes: int = 2,
         wait_timeout: float = 600.0,
+        max_examples: int = MAX_EXAMPLES,
         **server: Any,
     ) -> None:
         if not 0 < fraction_train <= 1:
@@ -86,6 +89,7 @@ class TernGrad(ReplicaServer, Strategy):
         self.fraction_train = fraction_train
         self.min_available_nodes = min_available_nodes
         self.wait_timeout = wait_timeout
+        self.max_examples = max_examples
         use_flower_logging()
 
     @classmethod
@@ -103,6 +107,8 @@ class TernGrad(ReplicaServer, Strategy):
             min_replies=cfg.min_replies,
             update_log_size=cfg.update_log_size,
             seed=cfg.seed,
+            defenses=cfg.defenses(),
+            max_examples=cfg.batch_size * cfg.local_steps,
         )
 
     # ------------------------------------------------- what the ServerApp asks
@@ -149,7 +155,9 @@ class TernGrad(ReplicaServer, Strategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Parse the replies, aggregate them into the shadow replica, report the round."""
-        report = self.aggregate(server_round + self.round_offset, _parsed(replies))
+        report = self.aggregate(
+            server_round + self.round_offset, _parsed(replies, self.max_examples)
+        )
         metrics = MetricRecord(
             {
                 "num-accepted": len(report.accepted),
@@ -183,13 +191,27 @@ class TernGrad(ReplicaServer, Strategy):
         log(INFO, "\t├──> Downlink: %s", self.downlink)
         log(INFO, "\t├──> Fraction train: %.2f", self.fraction_train)
         log(INFO, "\t├──> Min replies: %d", self.min_replies)
+        log(INFO, "\t├──> Aggregator: %s", self.defenses.aggregator)
+        log(INFO, "\t├──> Scale bound: %g (%s)", self.scale_bound.factor, self.scale_bound.action)
         log(INFO, "\t└──> Update log size: %d", self.log.capacity)
 
 
-def _parsed(replies: Iterable[Message]) -> Iterator[ClientReply | ParseFailure]:
-    """Each reply parsed, or the reason it could not be."""
+def _parsed(
+    replies: Iterable[Message], max_examples: int
+) -> Iterator[ClientReply | ParseFailure]:
+    """Each reply parsed, or the reason it could not be (any exception: the reply's fault)."""
     for message in replies:
         try:
-            yield parse_reply(message)
+            yield parse_reply(message, max_examples=max_examples)
         except ReplyError as err:
-            yield ParseFailure(int(message.metadata.src_node_id), err)
+            yield ParseFailure(_sender(message), err)
+        except Exception as err:  # a malformed message must not end the round
+            reason = f"node {_sender(message)} reply unreadable: {type(err).__name__}: {err}"
+            yield ParseFailure(_sender(message), ReplyError(reason))
+
+
+def _sender(message: Message) -> int:
+    try:
+        return int(message.metadata.src_node_id)
+    except Exception:  # no usable metadata
+        return -1

@@ -29,7 +29,14 @@ from fedddl.compression.registry import (
 from fedddl.compression.sharing import local_scales, max_scales
 from fedddl.compression.ternarize import PROBABILITY_BITS
 from fedddl.compression.ternary import TernaryCompressor
-from fedddl.compression.wire import FORMAT_VERSION, MAGIC, decode_update, encode_update
+from fedddl.compression.wire import (
+    FORMAT_VERSION,
+    MAGIC,
+    EntryHeader,
+    decode_update,
+    encode_update,
+    read_header,
+)
 
 __all__ = [
     "CODECS",
@@ -40,6 +47,7 @@ __all__ = [
     "Compressor",
     "Context",
     "DensePayload",
+    "EntryHeader",
     "IdentityCompressor",
     "Memory",
     "NoMemory",
@@ -57,6 +65,7 @@ __all__ = [
     "make_compressor",
     "max_scales",
     "pack_codes",
+    "read_header",
     "register_compressor",
     "unpack_codes",
 ]

@@ -60,6 +60,15 @@ class ResidualMemory(Memory):
         """Forget all residuals."""
         self._residuals.clear()
 
+    def save(self) -> dict[str, torch.Tensor]:
+        """A cheap snapshot for :meth:`restore` (no copy: residuals are replaced by
+        :meth:`update`, never written in place, so the saved tensors stay valid)."""
+        return dict(self._residuals)
+
+    def restore(self, saved: Mapping[str, torch.Tensor]) -> None:
+        """Go back to a :meth:`save` (e.g. after an update that could not be sent)."""
+        self._residuals = dict(saved)
+
     def compensate(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Return ``tensor + residual[name]`` (a new tensor; the memory is unchanged)."""
         residual = self._residuals.get(name)

@@ -3,6 +3,13 @@
 Per fixed-size chunk: min, max, sum and sum of squares; the chunk results are
 combined in chunk order in float64, so the statistics (hence the scaler and
 the codes) do not depend on the number of threads.
+
+Overflow: the float32 sums of a chunk overflow for finite values beyond about
+``1.8e19`` (a square beyond the float32 range) or sums beyond ``3.4e38``. A
+tensor whose float32 sums overflow although its values are finite is summed
+again in float64 (``einsum`` in float64 cannot overflow on float32 inputs of
+up to ``2**31`` values), so every finite tensor has finite statistics; the
+float32 path, hence every result for ordinary values, is unchanged.
 """
 
 from __future__ import annotations
@@ -101,13 +108,18 @@ def _combine(
     """One tensor's statistics from its per-chunk ones, combined in chunk order."""
     numel = values.size
     low, high = float(lows.min()), float(highs.max())
-    if not (math.isfinite(low) and math.isfinite(high)) or not math.isfinite(float(squares.sum())):
-        raise ValueError("tensor has NaN or Inf values (or values beyond float32 range)")
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise ValueError("tensor has NaN or Inf values")
     peak = max(-low, high)
     if not with_std:
         return TensorStatistics(peak, math.nan)
-    mean = float(sums.sum()) / numel
-    mean_square = float(squares.sum()) / numel
+    total, total_square = float(sums.sum()), float(squares.sum())
+    if not (math.isfinite(total) and math.isfinite(total_square)):
+        # finite values whose float32 chunk sums overflowed: sum again in float64
+        wide = values.astype(np.float64)
+        total, total_square = float(wide.sum()), float(np.dot(wide, wide))
+    mean = total / numel
+    mean_square = total_square / numel
     variance = mean_square - mean * mean
     if variance < _CANCELLATION_GUARD * mean_square:
         variance = float(np.var(values, dtype=np.float64))

@@ -26,6 +26,11 @@ A ternary entry decodes to ``s * code`` computed in float32, then cast to
 alone and must add up to exactly the bytes present, which is checked before
 any tensor is allocated, so a hostile header cannot make the decoder allocate
 more than the message size.  Sizes are always ``len(encode_update(...))``.
+
+:func:`read_header` reads and checks the header alone (no tensor is allocated,
+no value decoded), so a receiver can compare names, shapes, dtypes, codecs and
+scales with what it expects before it decodes anything; ``max_bytes`` and
+``max_tensors`` reject an oversized message before its entries are parsed.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import warnings
 import zlib
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -68,8 +74,10 @@ __all__ = [
     "MAX_NAME_BYTES",
     "MAX_NDIM",
     "MAX_TENSORS",
+    "EntryHeader",
     "decode_update",
     "encode_update",
+    "read_header",
 ]
 
 MAGIC = b"FDTQ"
@@ -315,6 +323,114 @@ def _parse_entries(
     return entries, reader.pos
 
 
+@dataclass(frozen=True)
+class EntryHeader:
+    """One tensor of a message, as its header describes it (see :func:`read_header`).
+
+    Attributes
+    ----------
+    name : str
+        Tensor name.
+    dtype : torch.dtype
+        The dtype the tensor decodes to.
+    codec : str | None
+        ``"2bit"`` or ``"base3"`` for a ternary entry, None for a dense one.
+    shape : tuple[int, ...]
+        Tensor shape.
+    scale : float
+        The ternary scale (finite, >= 0; 0.0 for a dense entry): every decoded value of a
+        ternary entry is ``-scale``, 0 or ``scale``.
+    data_bytes : int
+        Bytes of the entry's data.
+    """
+
+    name: str
+    dtype: torch.dtype
+    codec: str | None
+    shape: tuple[int, ...]
+    scale: float
+    data_bytes: int
+
+    @property
+    def numel(self) -> int:
+        """Number of values."""
+        return math.prod(self.shape)
+
+
+def read_header(
+    data: bytes | bytearray | memoryview,
+    *,
+    max_bytes: int | None = None,
+    max_tensors: int | None = None,
+) -> list[EntryHeader]:
+    """Read and check a message's header without decoding (or allocating) any tensor.
+
+    Everything :func:`decode_update` checks before it touches the data is checked here:
+    magic, version, length, CRC, flags, every entry (names, dtypes, kinds, shapes,
+    scales) and that the declared data sizes add up to the bytes present. Code values
+    are not read (an invalid code is only found by :func:`decode_update`).
+
+    Parameters
+    ----------
+    data:
+        The message.
+    max_bytes:
+        Reject a message longer than this, before reading anything else.
+    max_tensors:
+        Reject a message declaring more tensors than this, before parsing its entries.
+
+    Returns
+    -------
+    list[EntryHeader]
+        The entries in message order.
+
+    Raises
+    ------
+    PayloadError
+        For any malformed header, or a message over ``max_bytes`` / ``max_tensors``.
+    """
+    view = _as_view(data)
+    if max_bytes is not None and len(view) > max_bytes:
+        raise PayloadError(f"message of {len(view)} bytes exceeds the limit of {max_bytes}")
+    if max_tensors is not None and len(view) >= _PREFIX.size:
+        declared = _PREFIX.unpack_from(view)[3]
+        if declared > max_tensors:
+            raise PayloadError(
+                f"message declares {declared} tensors, at most {max_tensors} expected"
+            )
+    entries, _, sizes = _validated_entries(view)
+    return [
+        EntryHeader(
+            name, dtype, None if kind == _KIND_DENSE else _CODEC_OF_KIND[kind], shape, scale, size
+        )
+        for (name, dtype, kind, shape, scale), size in zip(entries, sizes, strict=True)
+    ]
+
+
+def _as_view(data: bytes | bytearray | memoryview) -> memoryview:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise PayloadError(f"expected bytes, got {type(data).__name__}")
+    try:
+        return memoryview(data).cast("B")
+    except TypeError as error:
+        raise PayloadError(f"data is not a flat byte buffer: {error}") from None
+
+
+def _validated_entries(
+    view: memoryview,
+) -> tuple[list[tuple[str, torch.dtype, int, tuple[int, ...], float]], int, list[int]]:
+    """The checked entries, where their data starts, and each entry's data size."""
+    count = _check_prefix(view)
+    entries, data_start = _parse_entries(view, count)
+    sizes = [_data_size(dtype, kind, math.prod(shape)) for _, dtype, kind, shape, _ in entries]
+    available = len(view) - _CRC.size - data_start
+    if sum(sizes) != available:
+        raise PayloadError(
+            f"declared shapes need {sum(sizes)} data bytes but {available} are present"
+        )
+    return entries, data_start, sizes
+
+
 def _data_size(dtype: torch.dtype, kind: int, numel: int) -> int:
     if kind == _KIND_DENSE:
         return numel * torch.empty(0, dtype=dtype).element_size()
@@ -404,20 +520,8 @@ def decode_update(
         (the message names the problem); nothing is returned or written
         partially decoded.
     """
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise PayloadError(f"expected bytes, got {type(data).__name__}")
-    try:
-        view = memoryview(data).cast("B")
-    except TypeError as error:
-        raise PayloadError(f"data is not a flat byte buffer: {error}") from None
-    count = _check_prefix(view)
-    entries, data_start = _parse_entries(view, count)
-    sizes = [_data_size(dtype, kind, math.prod(shape)) for _, dtype, kind, shape, _ in entries]
-    available = len(view) - _CRC.size - data_start
-    if sum(sizes) != available:
-        raise PayloadError(
-            f"declared shapes need {sum(sizes)} data bytes but {available} are present"
-        )
+    view = _as_view(data)
+    entries, data_start, sizes = _validated_entries(view)
     if out is not None:
         _check_out(out, entries)
     raws: list[torch.Tensor] = []

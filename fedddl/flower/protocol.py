@@ -32,9 +32,15 @@ Client → server reply:
 
 A TRAIN message whose ``config`` record has ``model-version`` follows this protocol; one
 with an ``"arrays"`` record is stock FedAvg (:data:`FEDAVG_ARRAYS`).
+
+:func:`parse_reply` validates every metric of a reply or refuses it: ``model-version`` an
+int >= -1, ``num-examples`` an int in ``[1, max_examples]``, ``loss`` a finite number in
+``[0, MAX_LOSS]``, ``client-s`` (if present) finite and >= 0, ``resync`` (if present) 1.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -57,6 +63,8 @@ from fedddl.sync.messages import (
 __all__ = [
     "CONFIG",
     "FEDAVG_ARRAYS",
+    "MAX_EXAMPLES",
+    "MAX_LOSS",
     "METRICS",
     "REPLICA",
     "SCALES",
@@ -94,6 +102,10 @@ FINGERPRINT = "fingerprint"
 CLIENT_SECONDS = "client-s"
 #: The record of a stock FedAvg TRAIN message and reply (model weights).
 FEDAVG_ARRAYS = "arrays"
+#: Default bound on a reply's ``num-examples`` (a server passes its own, e.g. batch x steps).
+MAX_EXAMPLES = (1 << 31) - 1
+#: Largest ``loss`` a reply may report (a cross-entropy beyond it means a diverged replica).
+MAX_LOSS = 1e9
 
 
 def is_localized_train(content: RecordDict) -> bool:
@@ -209,13 +221,21 @@ def build_reply_content(reply: ClientReply) -> RecordDict:
     )
 
 
-def parse_reply(message: Message) -> ClientReply:
+def parse_reply(message: Message, *, max_examples: int = MAX_EXAMPLES) -> ClientReply:
     """Validate and parse one training reply.
+
+    Parameters
+    ----------
+    message : Message
+        The reply.
+    max_examples : int
+        Largest acceptable ``num-examples``.
 
     Raises
     ------
     ReplyError
-        If the message carries an error, or records are missing or malformed.
+        If the message carries an error, records are missing or malformed, or a metric is
+        out of range (see the module docstring).
     """
     node_id = int(message.metadata.src_node_id)
     if message.has_error():
@@ -226,14 +246,26 @@ def parse_reply(message: Message) -> ClientReply:
         raise ReplyError(f"node {node_id}: reply has no {METRICS!r} MetricRecord")
     what = f"node {node_id} reply"
     version = _int(metrics, MODEL_VERSION, what)
-    if metrics.get(RESYNC) == 1:
+    if version < -1:
+        raise ReplyError(f"{what}: {MODEL_VERSION} must be >= -1, got {version}")
+    seconds = metrics.get(CLIENT_SECONDS)
+    if seconds is not None and not (isinstance(seconds, float) and 0 <= seconds < math.inf):
+        raise ReplyError(f"{what}: {CLIENT_SECONDS!r} must be a finite float >= 0")
+    resync = metrics.get(RESYNC)
+    if resync is not None and resync != 1:
+        raise ReplyError(f"{what}: {RESYNC!r} must be 1 when present, got {resync!r}")
+    if resync == 1:
         return ClientReply.resync_request(node_id, version)
     num_examples = _int(metrics, NUM_EXAMPLES, what)
-    if num_examples < 1:
-        raise ReplyError(f"{what}: {NUM_EXAMPLES} must be >= 1, got {num_examples}")
+    if not 1 <= num_examples <= max_examples:
+        raise ReplyError(
+            f"{what}: {NUM_EXAMPLES} must be in [1, {max_examples}], got {num_examples}"
+        )
     loss = metrics.get(LOSS)
     if isinstance(loss, bool) or not isinstance(loss, int | float):
         raise ReplyError(f"{what}: {LOSS!r} must be a number, got {loss!r}")
+    if not 0 <= loss <= MAX_LOSS:  # also false for NaN
+        raise ReplyError(f"{what}: {LOSS!r} must be finite and in [0, {MAX_LOSS:g}], got {loss}")
     replica = content.config_records.get(REPLICA)
     raw_fp = None if replica is None else replica.get(FINGERPRINT)
     if not isinstance(raw_fp, bytes) or len(raw_fp) != FINGERPRINT_BYTES:

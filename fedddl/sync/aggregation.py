@@ -8,7 +8,15 @@ integers), which :func:`fedddl.compression.downlink.encode_shared_sum` sends wit
 second quantisation.
 
 A robust variant (a median, say) needs every gradient at once: it must copy each
-contribution, because the buffer is overwritten by the next reply.
+contribution, because the buffer is overwritten by the next reply (the robust aggregators
+of :mod:`fedddl.sync.robust` do).
+
+Overflow: a float32 sum of finite gradients overflows once it passes ``3.4e38``. Each
+contribution carries (or :func:`running_mean` measures) the largest magnitude of each of its
+tensors; while their running sum stays below ``1e38`` the float32 accumulator cannot
+overflow and is used as is (every ordinary mean is unchanged, bit for bit); a tensor whose
+magnitudes could add up past it is accumulated in float64 from then on, and its mean, which
+is at most the largest magnitude, is cast back to float32.
 """
 
 from __future__ import annotations
@@ -21,7 +29,10 @@ import torch
 from fedddl.compression.downlink import ternary_codes
 from fedddl.sync.messages import ClientReply
 
-__all__ = ["Aggregate", "Contribution", "running_mean"]
+__all__ = ["FLOAT32_SAFE_SUM", "Aggregate", "Contribution", "running_mean"]
+
+#: A float32 sum of values whose magnitudes add up to less than this cannot overflow.
+FLOAT32_SAFE_SUM = 1e38
 
 
 @dataclass(frozen=True)
@@ -35,10 +46,22 @@ class Contribution:
     gradient : Mapping[str, torch.Tensor]
         The decoded (pseudo-)gradient by parameter name, float32. A buffer owned by the
         server and overwritten by the next contribution: copy what you keep.
+    scales : Mapping[str, float] | None
+        The ternary scale of each tensor that has one (after any clipping): every value of
+        that tensor is ``-scale``, 0 or ``scale``. Tensors without one are dense.
     """
 
     reply: ClientReply
     gradient: Mapping[str, torch.Tensor]
+    scales: Mapping[str, float] | None = None
+
+    def peak(self, name: str) -> float:
+        """The largest magnitude of tensor ``name`` (its scale, or measured when dense)."""
+        scale = None if self.scales is None else self.scales.get(name)
+        if scale is not None:
+            return float(scale)
+        values = self.gradient[name]
+        return float(values.abs().max()) if values.numel() else 0.0
 
 
 @dataclass
@@ -80,22 +103,36 @@ def running_mean(
         With an empty ``gradient`` when there was no contribution.
     """
     total: dict[str, torch.Tensor] = {}
+    wide: dict[str, torch.Tensor] = {}  # float64 accumulators of tensors that could overflow
+    reach: dict[str, float] = {}  # sum of the contributions' largest magnitudes, per tensor
     sums: dict[str, torch.Tensor] | None = None
     contributors: list[ClientReply] = []
     for contribution in contributions:
         gradient = contribution.gradient
         if not contributors:
             total = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in gradient.items()}
+            reach = dict.fromkeys(total, 0.0)
             if code_scales is not None:
                 sums = {k: torch.zeros(v.numel(), dtype=torch.int32) for k, v in gradient.items()}
         for name, acc in total.items():
-            acc += gradient[name].to(torch.float32)
+            values = gradient[name]
+            reach[name] += contribution.peak(name)
+            if name in wide:
+                wide[name] += values.to(torch.float64)
+            elif reach[name] > FLOAT32_SAFE_SUM:
+                wide[name] = acc.to(torch.float64) + values.to(torch.float64)
+            else:
+                acc += values.to(torch.float32)
         if sums is not None and code_scales is not None:
             sums = _add_codes(sums, gradient, code_scales)
         contributors.append(contribution.reply)
     if not contributors:
         return Aggregate({})
-    mean = {name: acc / len(contributors) for name, acc in total.items()}
+    count = len(contributors)
+    mean = {
+        name: (wide[name] / count).to(torch.float32) if name in wide else acc / count
+        for name, acc in total.items()
+    }
     return Aggregate(mean, contributors, sums)
 
 

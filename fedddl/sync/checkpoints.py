@@ -1,21 +1,27 @@
 """What of a :class:`~fedddl.sync.server.ReplicaServer` a checkpoint holds, and loading it back.
 
 :func:`capture` takes the shadow replica, its optimiser, the version, the update log and the
-downlink state (server-side error-feedback residuals, shared scales). :func:`load` checks a
-checkpoint against the server and builds the state to continue from *on copies*, so a
-checkpoint that does not fit changes nothing.
+downlink state (server-side error-feedback residuals, shared scales), plus any further
+server state (the scale bound's history). :func:`load` checks a checkpoint against the
+server and builds the state to continue from *on copies*, so a checkpoint that does not fit
+changes nothing. Before anything is used it is validated: every weight, momentum buffer,
+residual and shared scale finite and shaped like the model's parameter, every logged
+update decodable and fitting the model.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from fedddl.checkpoint import CheckpointError, ServerCheckpoint
-from fedddl.compression import ResidualMemory
-from fedddl.replica import Replica, UpdateLog
+from fedddl.compression import PayloadError, ResidualMemory
+from fedddl.compression.downlink import decode_broadcast
+from fedddl.replica import Replica, ReplicaError, UpdateLog, check_update
 
 __all__ = ["Restored", "capture", "load"]
 
@@ -39,8 +45,10 @@ def capture(
     server_round: int,
     config: dict[str, object],
     owner: str,
+    extra: Mapping[str, Any] | None = None,
 ) -> ServerCheckpoint:
-    """The checkpoint of a server after global round ``server_round`` (``owner``: its class)."""
+    """The checkpoint of a server after global round ``server_round`` (``owner``: its class;
+    ``extra``: further plain-typed state kept in ``strategy_state``)."""
     return ServerCheckpoint(
         round=server_round,
         version=shadow.version,
@@ -53,18 +61,29 @@ def capture(
             "server_memory": memory.residuals,
             "shared_scales": shared_scales,
             "strategy_class": owner,
+            **(extra or {}),
         },
     )
 
 
-def load(ckpt: ServerCheckpoint, shadow: Replica, log_capacity: int, owner: str) -> Restored:
+def load(
+    ckpt: ServerCheckpoint,
+    shadow: Replica,
+    log_capacity: int,
+    owner: str,
+    param_names: Sequence[str] | None = None,
+) -> Restored:
     """Check ``ckpt`` against the server's ``shadow`` replica and build the state to continue.
+
+    ``param_names``: the trainable parameters in order (the shared scales' order); default:
+    the shadow model's.
 
     Raises
     ------
     CheckpointError
         If the checkpoint was made by another class, or does not fit the model, the
-        optimiser settings or its own version.
+        optimiser settings or its own version, or holds a non-finite or misshapen value or
+        an update that does not decode or fit the model.
     """
     saved_class = ckpt.strategy_state.get("strategy_class")
     if saved_class is not None and saved_class != owner:
@@ -83,6 +102,24 @@ def load(ckpt: ServerCheckpoint, shadow: Replica, log_capacity: int, owner: str)
             f"checkpoint update log ends at version {entries[-1][0]}, "
             f"not at the checkpoint version {ckpt.version}"
         )
+    params = {n: p for n, p in shadow.model.named_parameters() if p.requires_grad}
+    names = list(param_names) if param_names is not None else list(params)
+    _check_finite(ckpt.model_state, "model weight")
+    _check_like_params(memory, params, "server_memory residual")
+    if scales is not None and (
+        tuple(scales.shape) != (len(names),)
+        or not bool(torch.isfinite(scales).all())
+        or bool((scales < 0).any())
+    ):
+        raise CheckpointError(
+            f"checkpoint shared_scales must be {len(names)} finite non-negative values, "
+            f"got shape {tuple(scales.shape)}"
+        )
+    for version, payload in entries:
+        try:
+            check_update(shadow.model, decode_broadcast(payload))
+        except (PayloadError, ReplicaError) as err:
+            raise CheckpointError(f"checkpoint update log: version {version}: {err}") from err
     log = UpdateLog(log_capacity)
     for version, payload in entries:
         log.append(version, payload)
@@ -92,6 +129,30 @@ def load(ckpt: ServerCheckpoint, shadow: Replica, log_capacity: int, owner: str)
         memory=ResidualMemory({str(k): v for k, v in memory.items()}),
         shared_scales=None if scales is None else scales.clone(),
     )
+
+
+def _check_finite(tensors: Mapping[str, Any], what: str) -> None:
+    for name, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"checkpoint {what} {name!r} is not a tensor")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise CheckpointError(f"checkpoint {what} {name!r} has non-finite values")
+
+
+def _check_like_params(
+    tensors: Mapping[str, torch.Tensor], params: Mapping[str, torch.nn.Parameter], what: str
+) -> None:
+    """Each tensor named after a parameter, of its shape, floating and finite."""
+    for name, value in tensors.items():
+        param = params.get(str(name))
+        if param is None:
+            raise CheckpointError(f"checkpoint {what} {name!r} is not a model parameter")
+        if not value.is_floating_point() or tuple(value.shape) != tuple(param.shape):
+            raise CheckpointError(
+                f"checkpoint {what} {name!r} is {value.dtype} {tuple(value.shape)}, the "
+                f"parameter is {tuple(param.shape)}"
+            )
+    _check_finite(tensors, what)
 
 
 def _shadow(ckpt: ServerCheckpoint, current: Replica) -> Replica:
@@ -109,5 +170,17 @@ def _shadow(ckpt: ServerCheckpoint, current: Replica) -> Replica:
                 f"checkpoint optimizer has lr={group['lr']} momentum={group['momentum']}, "
                 f"this run lr={lr} momentum={momentum}"
             )
+    buffers: dict[str, torch.Tensor] = {}
+    params = {n: p for n, p in shadow.model.named_parameters() if p.requires_grad}
+    by_param = {id(p): n for n, p in params.items()}
+    for param, state in shadow.optimizer.state.items():
+        name = by_param.get(id(param), "?")
+        for key, value in state.items():
+            if key == "momentum_buffer" and value is None:
+                continue
+            if key != "momentum_buffer" or not isinstance(value, torch.Tensor):
+                raise CheckpointError(f"checkpoint optimizer state of {name!r} has {key!r}")
+            buffers[name] = value
+    _check_like_params(buffers, params, "momentum buffer")
     shadow.version = ckpt.version
     return shadow

@@ -9,10 +9,19 @@ fingerprints of recent versions and what it knows about each node. Per round:
    or a snapshot of the shadow replica when it is further behind, and the version it must
    reach before computing.
 2. :meth:`ReplicaServer.aggregate` takes the replies. Each is checked against the round
-   (:meth:`validate_reply`: version, fingerprint); the accepted ones are decoded one at a
-   time into one buffer and combined (:meth:`aggregate_gradients`); the aggregate is
-   encoded for the downlink (:meth:`encode_downlink`), decoded exactly as the clients will
-   decode it, applied to the shadow replica and logged as the next version.
+   (:meth:`validate_reply`: version, fingerprint) and its payload header against the model
+   (:mod:`fedddl.sync.screening`), before anything is decoded; the header scales are
+   bounded by the round's honest majority (:mod:`fedddl.sync.scale_bound`); the accepted
+   replies are decoded one at a time into one buffer and combined
+   (:meth:`aggregate_gradients`, by default the configured aggregator of
+   :mod:`fedddl.sync.robust`); the aggregate is encoded for the downlink
+   (:meth:`encode_downlink`), decoded exactly as the clients will decode it, applied to the
+   shadow replica and logged as the next version.
+
+Client input never ends the server: any exception raised while handling one reply drops
+that reply with a logged reason, and a round whose aggregate cannot be combined, encoded
+or applied is skipped (logged, no update). Resyncs a node causes are rate-limited
+(:mod:`fedddl.sync.resync_limit`). The settings are :class:`~fedddl.defenses.Defenses`.
 
 Override points (a variant overrides one, as Flower's ``FedMedian`` overrides one method
 of ``FedAvg``): :meth:`compressor_name`, :meth:`validate_reply`,
@@ -34,18 +43,32 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from logging import INFO, WARNING, getLogger
 
+import numpy as np
 import torch
 from torch import nn
 
-from fedddl.checkpoint import ServerCheckpoint
-from fedddl.compression import PayloadError, ResidualMemory, decode_update, is_ternary
+from fedddl.checkpoint import CheckpointError, ServerCheckpoint
+from fedddl.compression import (
+    EntryHeader,
+    PayloadError,
+    ResidualMemory,
+    decode_update,
+    is_ternary,
+)
 from fedddl.compression import make_compressor as build_compressor
 from fedddl.compression.downlink import decode_broadcast, encode_reencoded, encode_shared_sum
-from fedddl.compression.sharing import max_scales
-from fedddl.replica import Replica, ReplicaError, UpdateLog, check_update, plan_catch_up
+from fedddl.defenses import Defenses
+from fedddl.replica import (
+    CatchUp,
+    Replica,
+    ReplicaError,
+    UpdateLog,
+    check_update,
+    plan_catch_up,
+)
 from fedddl.seeding import derive_seed
 from fedddl.sync import checkpoints
-from fedddl.sync.aggregation import Aggregate, Contribution, running_mean
+from fedddl.sync.aggregation import Aggregate, Contribution
 from fedddl.sync.errors import (
     FingerprintMismatch,
     PayloadRejected,
@@ -57,6 +80,10 @@ from fedddl.sync.errors import (
 from fedddl.sync.messages import ClientReply, TrainInstruction, fingerprint_prefix
 from fedddl.sync.nodes import NodeBook
 from fedddl.sync.report import RoundReport
+from fedddl.sync.resync_limit import ResyncLimiter
+from fedddl.sync.robust import make_aggregator
+from fedddl.sync.scale_bound import ScaleBound
+from fedddl.sync.screening import PayloadSpec
 
 __all__ = ["DOWNLINKS", "ParseFailure", "ReplicaServer"]
 
@@ -71,6 +98,15 @@ class ParseFailure:
 
     node_id: int
     error: ReplyError
+
+
+@dataclass(frozen=True)
+class _Screened:
+    """A reply that passed screening: its payload's entries, and the tensors to clip."""
+
+    reply: ClientReply
+    entries: list[EntryHeader]
+    clip: dict[str, float]
 
 
 class ReplicaServer:
@@ -94,6 +130,8 @@ class ReplicaServer:
         Seeds the server-side compressor (and, in the Flower strategy, node sampling).
     min_replies : int
         Accepted replies needed to apply a round's update (fewer: the round is skipped).
+    defenses : Defenses | None
+        Aggregator, scale bound and resync rate limit (None: the defaults).
 
     Attributes
     ----------
@@ -107,6 +145,10 @@ class ReplicaServer:
         One report per aggregated round.
     round_offset : int
         Rounds completed before a restore (added to the caller's round numbers).
+    scale_bound : ScaleBound
+        The header scale bound and its history.
+    resyncs : ResyncLimiter
+        The resync rate limit.
     """
 
     def __init__(
@@ -121,6 +163,7 @@ class ReplicaServer:
         update_log_size: int = 8,
         seed: int = 0,
         min_replies: int = 1,
+        defenses: Defenses | None = None,
     ) -> None:
         if downlink not in DOWNLINKS:
             raise ValueError(
@@ -134,8 +177,16 @@ class ReplicaServer:
         self.seed = seed
         self.min_replies = min_replies
         self.round_offset = 0
-        build_compressor(self.compressor_name(), seed=0, clip_sigma=clip_sigma)  # validates
+        uplink = build_compressor(self.compressor_name(), seed=0, clip_sigma=clip_sigma)
+        self.defenses = defenses if defenses is not None else Defenses()
+        self._aggregator = make_aggregator(
+            self.defenses.aggregator, trim_fraction=self.defenses.trim_fraction
+        )
+        self.scale_bound = self._new_scale_bound()
+        self.resyncs = ResyncLimiter(self.defenses.resync_interval)
+        self._limited: list[int] = []
         self.shadow = Replica(model_fn(), learning_rate, momentum, version=0)
+        self.payload_spec = PayloadSpec.for_model(self.shadow.model, uplink)
         self.param_names = [n for n, p in self.shadow.model.named_parameters() if p.requires_grad]
         self.log = UpdateLog(update_log_size)
         self.fingerprints: OrderedDict[int, str] = OrderedDict({0: self.shadow.fingerprint()})
@@ -184,13 +235,15 @@ class ReplicaServer:
             )
 
     def aggregate_gradients(self, contributions: Iterable[Contribution]) -> Aggregate:
-        """Override point: combine the round's accepted gradients (default: their mean).
+        """Override point: combine the round's accepted gradients.
 
-        ``contributions`` yields the accepted replies one at a time, each decoded into a
-        buffer that the next one overwrites (copy what you keep). Replies whose payload
-        fails to decode are dropped before they are yielded.
+        Default: the configured aggregator (``defenses.aggregator``, see
+        :mod:`fedddl.sync.robust`; ``"mean"`` streams). ``contributions`` yields the
+        accepted replies one at a time, each decoded into a buffer that the next one
+        overwrites (copy what you keep). Replies whose payload fails to decode are dropped
+        before they are yielded. An exception raised here skips the round (logged).
         """
-        return running_mean(contributions, self._code_scales())
+        return self._aggregator(contributions, self._code_scales())
 
     def encode_downlink(self, server_round: int, aggregate: Aggregate) -> tuple[bytes, str]:
         """Override point: the broadcast bytes of this round's aggregate, and their format.
@@ -234,9 +287,16 @@ class ReplicaServer:
         shared: dict[tuple[str, int, bool], TrainInstruction] = {}
         want_scales = self.wants_shared_sum()
         plan: dict[int, TrainInstruction] = {}
+        limited: list[int] = []
         for node in nodes:
             known = self.nodes.known_version(node)
             catch_up = plan_catch_up(known, current, self.log)
+            if _costly(catch_up):
+                if self.resyncs.holds_back(node, server_round):
+                    known, catch_up = self._usual_catch_up(current)
+                    limited.append(node)
+                else:
+                    self.resyncs.served(node, server_round)
             tell = self.nodes.needs_compressor(node) or catch_up.kind == "snapshot"
             key = (catch_up.kind, known if catch_up.kind == "log" else -2, tell)
             instruction = shared.get(key)
@@ -256,7 +316,16 @@ class ReplicaServer:
                 shared[key] = instruction
             self.nodes.sent(node, current)
             plan[node] = instruction
+        self._limited = limited
         return plan
+
+    def _usual_catch_up(self, current: int) -> tuple[int, CatchUp]:
+        """What a node one version behind gets: the latest logged update (or nothing)."""
+        if current >= 1:
+            usual = plan_catch_up(current - 1, current, self.log)
+            if usual.kind == "log":
+                return current - 1, usual
+        return current, CatchUp("none", [])
 
     def aggregate(
         self, server_round: int, replies: Iterable[ClientReply | ParseFailure]
@@ -264,17 +333,28 @@ class ReplicaServer:
         """Check, combine and apply this (global) round's replies; return its report."""
         start = time.perf_counter()
         report = RoundReport(server_round)
+        report.resync_limited, self._limited = self._limited, []
         screened = [r for r in (self._screen(item, report) for item in replies) if r is not None]
         self.nodes.end_round()
-        aggregate = self.aggregate_gradients(self._decoded(screened, report))
+        bounded = self._bound_scales(screened, report)
+        failure = ""
+        try:
+            aggregate = self.aggregate_gradients(self._decoded(bounded, report))
+        except Exception as err:  # e.g. a robust aggregator's bug on hostile input
+            aggregate = Aggregate({})
+            failure = f"aggregation failed: {type(err).__name__}: {err}"
         report.accepted = sorted(r.node_id for r in aggregate.contributors)
         if aggregate.contributors:
             report.loss = sum(r.loss for r in aggregate.contributors) / len(aggregate.contributors)
-        if not aggregate.contributors:
-            report.skipped = True
+        if failure:
+            pass
+        elif not aggregate.contributors:
+            report.skip_reason = "no valid reply"
             logger.log(WARNING, "round %d has no valid reply, no update", server_round)
         elif len(aggregate.contributors) < self.min_replies:
-            report.skipped = True
+            report.skip_reason = (
+                f"{len(aggregate.contributors)} valid replies, need {self.min_replies}"
+            )
             logger.log(
                 WARNING,
                 "round %d skipped: %d valid replies, need %d; no update applied, "
@@ -285,7 +365,17 @@ class ReplicaServer:
                 self.shadow.version,
             )
         else:
-            self._apply(server_round, aggregate, report)
+            failure = self._apply_or_explain(server_round, aggregate, report)
+        if failure:
+            report.skip_reason = failure
+            logger.log(
+                WARNING,
+                "round %d skipped: %s; no update applied, model version stays %d",
+                server_round,
+                failure,
+                self.shadow.version,
+            )
+        report.skipped = bool(report.skip_reason)
         report.version = self.shadow.version
         report.aggregate_s = time.perf_counter() - start
         self.reports.append(report)
@@ -300,30 +390,77 @@ class ReplicaServer:
         )
         return report
 
-    def _screen(self, item: ClientReply | ParseFailure, report: RoundReport) -> ClientReply | None:
-        """Validate one reply against the round; record a drop and return None if it fails."""
+    def _screen(
+        self, item: ClientReply | ParseFailure, report: RoundReport
+    ) -> tuple[ClientReply, list[EntryHeader]] | None:
+        """Validate one reply and its payload header; record a drop and return None if it fails.
+
+        Nothing is decoded here. Any exception counts against the reply, never the round.
+        """
         if isinstance(item, ParseFailure):
             self._drop(report, item.node_id, item.error)
             return None
         error: ReplyError | None = None
+        entries: list[EntryHeader] = []
         try:
             self.validate_reply(item, self.nodes.expected_version(item.node_id))
+            entries = self._check_payload(item)
         except ReplyError as err:
             error = err
+        except Exception as err:  # a bug in an override on hostile input must not end the round
+            error = PayloadRejected(
+                f"node {item.node_id} reply rejected: {type(err).__name__}: {err}"
+            )
         self.nodes.learn(item, error)
+        self.resyncs.learn(item.node_id, error)
         if error is not None:
             self._drop(report, item.node_id, error)
             return None
-        report.note_fingerprint_checked()
-        return item
+        report.note_fingerprint_checked(item.node_id)
+        return item, entries
 
-    def _decoded(self, screened: list[ClientReply], report: RoundReport) -> Iterator[Contribution]:
+    def _check_payload(self, reply: ClientReply) -> list[EntryHeader]:
+        """The payload's header, checked against the model (and the reply's local scales)."""
+        if reply.payload is None:
+            raise PayloadRejected(f"node {reply.node_id} payload rejected: no payload")
+        entries = self.payload_spec.check(reply.payload, reply.node_id)
+        size = (len(self.param_names),)
+        if reply.scales is not None and self.wants_shared_sum() and reply.scales.shape != size:
+            raise PayloadRejected(
+                f"node {reply.node_id} payload rejected: {tuple(reply.scales.shape)} local "
+                f"scales for {len(self.param_names)} tensors"
+            )
+        return entries
+
+    def _bound_scales(
+        self, screened: list[tuple[ClientReply, list[EntryHeader]]], report: RoundReport
+    ) -> list[_Screened]:
+        """Apply the header scale bound: note the clipped replies, drop the dropped ones."""
+        verdict = self.scale_bound.screen(
+            {reply.node_id: entries for reply, entries in screened}, self._code_scales()
+        )
+        for node, why in verdict.dropped.items():
+            self._drop(report, node, PayloadRejected(why))
+        for node, why in verdict.clipped.items():
+            report.clipped[node] = why
+            logger.log(WARNING, "clipping reply: %s", why)
+        return [
+            _Screened(reply, entries, verdict.clip.get(reply.node_id, {}))
+            for reply, entries in screened
+            if reply.node_id not in verdict.dropped
+        ]
+
+    def _decoded(self, screened: list[_Screened], report: RoundReport) -> Iterator[Contribution]:
         """Decode each screened reply into one reused buffer; drop those that do not decode."""
-        for reply in screened:
+        for item in screened:
+            reply = item.reply
             assert reply.payload is not None
+            scales = {e.name: e.scale for e in item.entries if e.codec is not None}
             try:
                 try:
                     gradient = decode_update(reply.payload)
+                    for name, bound in item.clip.items():
+                        scales[name] = _clip_ternary(gradient[name], bound)
                     check_update(self.shadow.model, gradient)
                 except (PayloadError, ReplicaError) as err:
                     raise PayloadRejected(f"node {reply.node_id} payload rejected: {err}") from err
@@ -334,15 +471,29 @@ class ReplicaServer:
             except PayloadRejected as err:
                 self._drop(report, reply.node_id, err)
                 continue
-            yield Contribution(reply, gradient)
+            yield Contribution(reply, gradient, scales)
 
     def _drop(self, report: RoundReport, node: int, error: ReplyError) -> None:
         report.dropped[node] = str(error)
         if isinstance(error, FingerprintMismatch):
-            report.note_fingerprint_checked(mismatch=True)
+            report.note_fingerprint_checked(node, mismatch=True)
         logger.log(WARNING, "dropping reply: %s", error)
 
+    def _apply_or_explain(
+        self, server_round: int, aggregate: Aggregate, report: RoundReport
+    ) -> str:
+        """Apply the aggregate; on failure change nothing and return why ('' on success)."""
+        saved = self.server_memory.save()
+        try:
+            self._apply(server_round, aggregate, report)
+        except Exception as err:  # hostile values that reached the aggregate: skip the round
+            self.server_memory.restore(saved)
+            report.downlink_format = "none"
+            return f"the aggregate could not be encoded or applied: {type(err).__name__}: {err}"
+        return ""
+
     def _apply(self, server_round: int, aggregate: Aggregate, report: RoundReport) -> None:
+        """Encode, decode, apply and log the aggregate; raises before changing the shadow."""
         payload, report.downlink_format = self.encode_downlink(server_round, aggregate)
         update = decode_broadcast(payload)  # exactly what every client will apply
         self.shadow.apply_update(update, self.shadow.version + 1)
@@ -359,16 +510,24 @@ class ReplicaServer:
         return dict(zip(self.param_names, self.shared_scales.tolist(), strict=True))
 
     def _update_shared_scales(self, contributors: list[ClientReply]) -> None:
-        reported = [r.scales for r in contributors if r.scales is not None]
-        if not reported or any(s.shape != (len(self.param_names),) for s in reported):
+        """The next round's shared scales: per tensor, the largest reported local scale,
+        but at most ``scale_bound ×`` the lower median of the reported ones (so one client
+        cannot set everyone's scale)."""
+        size = (len(self.param_names),)
+        reported = [
+            r.scales.to(torch.float32)
+            for r in contributors
+            if r.scales is not None and tuple(r.scales.shape) == size
+        ]
+        if not reported:
             self.shared_scales = None
             return
-        shared = max_scales(
-            dict(zip(self.param_names, s.tolist(), strict=True)) for s in reported
-        )
-        self.shared_scales = torch.tensor(
-            [shared[n] for n in self.param_names], dtype=torch.float32
-        )
+        stacked = torch.stack(reported)
+        shared = stacked.max(dim=0).values
+        if self.scale_bound.enabled:
+            median = stacked.sort(dim=0).values[(len(reported) - 1) // 2]
+            shared = torch.minimum(shared, median * self.scale_bound.factor)
+        self.shared_scales = shared
 
     # ------------------------------------------------------------- checkpoints
     def checkpoint(self, server_round: int, config: dict[str, object]) -> ServerCheckpoint:
@@ -381,6 +540,7 @@ class ReplicaServer:
             server_round=server_round,
             config=config,
             owner=self._class_name(),
+            extra={"scale_bound": self.scale_bound.state()},
         )
 
     def restore(self, ckpt: ServerCheckpoint) -> None:
@@ -392,7 +552,19 @@ class ReplicaServer:
             If the checkpoint does not fit this server's model or optimiser; nothing is
             changed then.
         """
-        restored = checkpoints.load(ckpt, self.shadow, self.log.capacity, self._class_name())
+        restored = checkpoints.load(
+            ckpt, self.shadow, self.log.capacity, self._class_name(), self.param_names
+        )
+        bound = self._new_scale_bound()
+        saved_bound = ckpt.strategy_state.get("scale_bound")
+        if saved_bound is not None:
+            if not isinstance(saved_bound, dict):
+                raise CheckpointError("checkpoint scale_bound state must be a dict")
+            try:
+                bound.load_state(saved_bound)
+            except ValueError as err:
+                raise CheckpointError(f"checkpoint scale_bound state: {err}") from err
+        self.scale_bound = bound
         self.shadow = restored.shadow
         self.log = restored.log
         self.server_memory = restored.memory
@@ -400,6 +572,7 @@ class ReplicaServer:
         self.round_offset = ckpt.round
         self.fingerprints = OrderedDict({self.shadow.version: self.shadow.fingerprint()})
         self.nodes.forget(unknown_version=-1)  # every node's first message: a snapshot
+        self.resyncs.forget()
         rng = (ckpt.rng_states or {}).get("torch")
         if isinstance(rng, torch.Tensor):
             torch.set_rng_state(rng)
@@ -411,6 +584,10 @@ class ReplicaServer:
             len(self.log),
         )
 
+    def _new_scale_bound(self) -> ScaleBound:
+        d = self.defenses
+        return ScaleBound(d.scale_bound, d.scale_bound_action, d.scale_bound_rounds)
+
     def _class_name(self) -> str:
         return f"{type(self).__module__}.{type(self).__qualname__}"
 
@@ -419,3 +596,17 @@ class ReplicaServer:
             f"{type(self).__name__}(compressor={self.compressor_name()!r}, "
             f"downlink={self.downlink!r}, version={self.shadow.version})"
         )
+
+
+def _costly(catch_up: CatchUp) -> bool:
+    """A resync: a snapshot, or a replay of more than one update."""
+    return catch_up.kind == "snapshot" or (catch_up.kind == "log" and len(catch_up.updates) > 1)
+
+
+def _clip_ternary(values: torch.Tensor, bound: float) -> float:
+    """Make decoded ternary ``values`` exactly ``bound × code`` (in place); return the scale."""
+    scale = float(np.float32(bound))
+    with torch.no_grad():
+        torch.sign(values, out=values)
+        values.mul_(scale)
+    return scale

@@ -1,0 +1,144 @@
+"""How an attacking client turns its honest reply into a malicious, well-formed one.
+
+:func:`tamper_reply` takes the :class:`~fedddl.sync.messages.ClientReply` the honest worker
+computed and returns the attacker's (kinds: :mod:`fedddl.attacks.spec`). Payload attacks
+re-encode the honest gradient with :func:`fedddl.compression.encode_update`, so the message
+has a valid header, valid codes and a correct CRC; only its values lie.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from fedddl.attacks.spec import Attack
+from fedddl.compression import (
+    Compressor,
+    Context,
+    DensePayload,
+    Payload,
+    TernaryPayload,
+    decode_update,
+    encode_update,
+    pack_codes,
+    read_header,
+)
+from fedddl.compression.packing import CODE_MINUS, CODE_PLUS, CODE_ZERO
+from fedddl.sync.messages import ClientReply
+
+__all__ = ["MANY_TENSORS", "many_tensors_payload", "rewrite_payload", "tamper_reply"]
+
+#: Tensors in the ``many-tensors`` payload (the wire format's limit).
+MANY_TENSORS = 1 << 16
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_PAYLOAD_KINDS = ("scale", "sign-flip", "all-plus")
+
+
+def tamper_reply(reply: ClientReply, attack: Attack) -> ClientReply:
+    """The attacker's reply in place of the honest ``reply`` (a resync stays a resync,
+    except for ``resync-spam``, which always is one)."""
+    if attack.kind == "resync-spam":
+        return ClientReply.resync_request(reply.node_id, -1)
+    if reply.payload is None:
+        return reply
+    if attack.kind == "nan-metrics":
+        return dataclasses.replace(reply, loss=math.nan)
+    if attack.kind == "inf-metrics":
+        return dataclasses.replace(reply, loss=math.inf)
+    if attack.kind == "huge-examples":
+        return dataclasses.replace(reply, num_examples=1 << 62)
+    if attack.kind == "fingerprint-lie":
+        lie = bytes(b ^ 0xFF for b in bytes.fromhex(reply.fingerprint)).hex()
+        return dataclasses.replace(reply, fingerprint=lie)
+    if attack.kind == "many-tensors":
+        return dataclasses.replace(reply, payload=many_tensors_payload())
+    if attack.kind in _PAYLOAD_KINDS:
+        return dataclasses.replace(reply, payload=rewrite_payload(reply.payload, attack))
+    raise ValueError(f"unknown attack kind {attack.kind!r}")
+
+
+def rewrite_payload(payload: bytes, attack: Attack) -> bytes:
+    """``payload`` with its values changed by a ``scale``, ``sign-flip`` or ``all-plus`` attack.
+
+    Ternary entries keep their codec: ``scale:S`` multiplies the scale (capped at the
+    largest finite float32), ``sign-flip`` negates the codes, ``all-plus`` sets every code
+    to +1. Dense entries get the same treatment on their values.
+    """
+    entries = read_header(payload)
+    decoded = decode_update(payload)
+    values: dict[str, torch.Tensor] = {}
+    scales: dict[str, float] = {}
+    codecs: dict[str, str] = {}
+    for entry in entries:
+        tensor = decoded[entry.name]
+        if entry.codec is None:
+            values[entry.name] = _dense(tensor, attack)
+            continue
+        codes = torch.sign(tensor.to(torch.float32))
+        scale = entry.scale
+        if attack.kind == "scale":
+            assert attack.arg is not None
+            scale = min(scale * attack.arg, _FLOAT32_MAX)
+        elif attack.kind == "sign-flip":
+            codes = -codes
+        elif attack.kind == "all-plus":
+            codes = torch.ones_like(codes)
+        values[entry.name] = codes
+        scales[entry.name] = float(np.float32(scale))
+        codecs[entry.name] = entry.codec
+    return encode_update(values, _Recode(codecs), scales=scales)
+
+
+def _dense(tensor: torch.Tensor, attack: Attack) -> torch.Tensor:
+    if attack.kind == "scale":
+        assert attack.arg is not None
+        wide = tensor.to(torch.float64) * attack.arg
+        return wide.clamp(-_FLOAT32_MAX, _FLOAT32_MAX).to(tensor.dtype)
+    if attack.kind == "sign-flip":
+        return -tensor
+    peak = tensor.abs().max() if tensor.numel() else torch.tensor(0.0)
+    return torch.full_like(tensor, float(peak))
+
+
+@lru_cache(maxsize=1)
+def many_tensors_payload() -> bytes:
+    """A valid message of :data:`MANY_TENSORS` one-element ternary tensors (built once)."""
+    values = {f"t{i}": torch.ones(1) for i in range(MANY_TENSORS)}
+    scales = dict.fromkeys(values, 1.0)
+    return encode_update(values, _Recode(dict.fromkeys(values, "2bit")), scales=scales)
+
+
+class _Recode(Compressor):
+    """Encodes given codes (the signs of the input) at given scales; dense without a scale.
+
+    Parameters
+    ----------
+    codecs : Mapping[str, str]
+        The codec of each ternary tensor, consumed in encoding order.
+    """
+
+    name = "attack-recode"
+
+    def __init__(self, codecs: Mapping[str, str]) -> None:
+        self._codecs = iter(list(codecs.values()))
+
+    def compress(
+        self, tensor: torch.Tensor, *, scale: float | None = None
+    ) -> tuple[Payload, Context]:
+        ctx = Context(tuple(tensor.shape), tensor.dtype)
+        if scale is None:
+            return DensePayload(tensor.detach().contiguous().clone()), ctx
+        flat = tensor.detach().reshape(-1)
+        codes = torch.full(flat.shape, CODE_ZERO, dtype=torch.uint8)
+        codes[flat > 0] = CODE_PLUS
+        codes[flat < 0] = CODE_MINUS
+        codec = next(self._codecs)
+        return TernaryPayload(pack_codes(codes, codec), scale, flat.numel(), codec), ctx
+
+    def decompress(self, payload: Payload, ctx: Context) -> torch.Tensor:
+        raise NotImplementedError("the attack encoder never decompresses")

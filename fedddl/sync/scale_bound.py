@@ -1,0 +1,212 @@
+"""A per-tensor bound on the ternary scales of a round's replies, from the honest majority.
+
+A ternary entry decodes to ``scale × code`` with ``code`` in {-1, 0, +1}, so its scale
+bounds every value it can contribute. Honest clients of one round report similar scales
+(TernGrad's scale is ``max|g|`` after clipping at ``2.5 σ``; on digits, 10 clients, 200
+rounds, the largest scale of a tensor was at most 5.4 × the round's median); one client
+reporting ``1e6`` or ``1e30`` is not honest and would dominate a mean.
+
+:class:`ScaleBound` reads the scales from the payload *headers*
+(:func:`fedddl.compression.wire.read_header`), before anything is decoded. Per tensor:
+
+* ``reference`` = the lower median of the scales of this round's screened replies together
+  with the accepted scales of the previous ``rounds`` rounds (so a round whose replies are
+  mostly an attacker's cannot move it far, and one attacker can never move it: it is a
+  median);
+* ``bound`` = ``factor × reference``; with the ``shared-scale-sum`` downlink the bound of a
+  tensor is the shared scale the server sent for it (every honest client encodes at
+  exactly that scale);
+* a reply with a scale above the bound is **clipped** (action ``"clip"``: its decoded values
+  become ``± bound``, its codes are kept) or **dropped** (action ``"drop"``); the reason
+  names the tensor, the scale and the bound.
+
+Only the scales at or below their bound enter the history. ``factor = 0`` disables the
+bound. Dense entries (a compressor's small tensors sent uncompressed) carry no scale and are
+not bounded here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedddl.compression import EntryHeader
+from fedddl.defenses import SCALE_BOUND_ACTIONS
+
+__all__ = ["SCALE_BOUND_ACTIONS", "BoundVerdict", "ScaleBound", "lower_median"]
+
+
+def lower_median(values: Sequence[float]) -> float:
+    """The lower median (``sorted(values)[(n - 1) // 2]``): always one of ``values``.
+
+    Raises
+    ------
+    ValueError
+        If ``values`` is empty.
+    """
+    if not values:
+        raise ValueError("the median of no values is undefined")
+    return sorted(values)[(len(values) - 1) // 2]
+
+
+@dataclass
+class BoundVerdict:
+    """What the bound decided for one round's replies.
+
+    Attributes
+    ----------
+    clip : dict[int, dict[str, float]]
+        Node → tensor → bound: decode the tensor as ``bound × code``.
+    clipped : dict[int, str]
+        Node → why it was clipped.
+    dropped : dict[int, str]
+        Node → why it was dropped (action ``"drop"``).
+    bounds : dict[str, float]
+        The bound of every tensor that had ternary entries.
+    """
+
+    clip: dict[int, dict[str, float]] = field(default_factory=dict)
+    clipped: dict[int, str] = field(default_factory=dict)
+    dropped: dict[int, str] = field(default_factory=dict)
+    bounds: dict[str, float] = field(default_factory=dict)
+
+
+class ScaleBound:
+    """Bound each tensor's ternary scale by ``factor`` × a median (see the module docstring).
+
+    Parameters
+    ----------
+    factor : float
+        ``k`` of ``k × median``; 0 disables the bound.
+    action : str
+        ``"clip"`` or ``"drop"``.
+    rounds : int
+        Previous rounds whose accepted scales join the median (0: this round only).
+    """
+
+    def __init__(self, factor: float = 8.0, action: str = "clip", rounds: int = 10) -> None:
+        if not (factor == 0 or 1 <= factor < math.inf):
+            raise ValueError(f"scale-bound must be 0 (off) or >= 1, got {factor}")
+        if action not in SCALE_BOUND_ACTIONS:
+            raise ValueError(
+                f"scale-bound-action must be one of {', '.join(SCALE_BOUND_ACTIONS)}, "
+                f"got {action!r}"
+            )
+        if rounds < 0:
+            raise ValueError(f"scale-bound-rounds must be >= 0, got {rounds}")
+        self.factor = float(factor)
+        self.action = action
+        self.rounds = rounds
+        self.history: deque[dict[str, list[float]]] = deque(maxlen=max(rounds, 1))
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the bound is on."""
+        return self.factor > 0
+
+    def screen(
+        self,
+        headers: Mapping[int, Sequence[EntryHeader]],
+        expected: Mapping[str, float] | None = None,
+    ) -> BoundVerdict:
+        """Decide, from the headers of this round's screened replies, what to clip or drop.
+
+        Parameters
+        ----------
+        headers : Mapping[int, Sequence[EntryHeader]]
+            Node → the entries of its payload.
+        expected : Mapping[str, float] | None
+            Scales the server told every client to use this round (``shared-scale-sum``):
+            they are the bounds of their tensors.
+
+        Returns
+        -------
+        BoundVerdict
+            Empty when the bound is off.
+        """
+        verdict = BoundVerdict()
+        if not self.enabled:
+            return verdict
+        scales: dict[str, list[float]] = {}
+        for entries in headers.values():
+            for entry in entries:
+                if entry.codec is not None:
+                    scales.setdefault(entry.name, []).append(entry.scale)
+        for name, values in scales.items():
+            told = None if expected is None else expected.get(name)
+            if told is not None and told > 0:
+                verdict.bounds[name] = told
+                continue
+            pooled = list(values)
+            for past in self.history if self.rounds else ():
+                pooled.extend(past.get(name, ()))
+            verdict.bounds[name] = self.factor * lower_median(pooled)
+        accepted: dict[str, list[float]] = {}
+        for node, entries in headers.items():
+            over = [
+                (e.name, e.scale)
+                for e in entries
+                if e.codec is not None and e.scale > verdict.bounds[e.name]
+            ]
+            if over:
+                self._judge(verdict, node, over)
+                if self.action == "drop":
+                    continue
+            for entry in entries:
+                if entry.codec is not None and entry.scale <= verdict.bounds[entry.name]:
+                    accepted.setdefault(entry.name, []).append(entry.scale)
+        if self.rounds:
+            self.history.append(accepted)
+        return verdict
+
+    def _judge(self, verdict: BoundVerdict, node: int, over: list[tuple[str, float]]) -> None:
+        name, scale = max(over, key=lambda item: item[1] / max(verdict.bounds[item[0]], 1e-45))
+        action = "clipped" if self.action == "clip" else "dropped"
+        more = f" (and {len(over) - 1} more tensors)" if len(over) > 1 else ""
+        reason = (
+            f"node {node}: scale {scale:.4g} of tensor {name!r} exceeds the bound "
+            f"{verdict.bounds[name]:.4g}{more}: {action}"
+        )
+        if self.action == "clip":
+            verdict.clip[node] = {n: verdict.bounds[n] for n, _ in over}
+            verdict.clipped[node] = reason
+        else:
+            verdict.dropped[node] = reason
+
+    # ----------------------------------------------------------- checkpoints
+    def state(self) -> dict[str, Any]:
+        """The history, as plain types (for a checkpoint)."""
+        return {"history": [dict(entry) for entry in self.history]}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state`.
+
+        Raises
+        ------
+        ValueError
+            If ``state`` is malformed (nothing is changed then).
+        """
+        history = state.get("history", [])
+        if not isinstance(history, list):
+            raise ValueError("scale-bound history must be a list")
+        rounds: list[dict[str, list[float]]] = []
+        for entry in history:
+            if not isinstance(entry, dict):
+                raise ValueError("scale-bound history entries must be dicts")
+            clean: dict[str, list[float]] = {}
+            for name, values in entry.items():
+                if not isinstance(name, str) or not isinstance(values, list):
+                    raise ValueError("scale-bound history must map names to lists")
+                try:
+                    floats = [float(v) for v in values]
+                except (TypeError, ValueError):
+                    raise ValueError(f"scale-bound history of {name!r} has a bad scale") from None
+                if not all(0 <= v < float("inf") for v in floats):
+                    raise ValueError(f"scale-bound history of {name!r} has a bad scale")
+                clean[name] = floats
+            rounds.append(clean)
+        self.history.clear()
+        self.history.extend(rounds[-(self.history.maxlen or 1) :])
