@@ -113,7 +113,8 @@ class AppConfig:
         Previous rounds whose accepted scales join the bound's median.
     resync_interval : int
         Resyncs (snapshots, multi-update catch-ups) a node causes are served at most once
-        every this many rounds; 0 or 1: no limit (:mod:`fedddl.sync.resync_limit`).
+        every this many rounds, twice as long each time while it keeps failing; 0 or 1: no
+        limit (:mod:`fedddl.sync.resync_limit`).
     attack : str
         Attack evaluation only: ``KIND[:ARG]`` run by ``num_attackers`` clients
         (:mod:`fedddl.attacks.spec`); empty: none.
@@ -153,7 +154,7 @@ class AppConfig:
     scale_bound: float = 8.0
     scale_bound_action: str = "clip"
     scale_bound_rounds: int = 10
-    resync_interval: int = 25
+    resync_interval: int = 30
     attack: str = ""
     num_attackers: int = 0
 

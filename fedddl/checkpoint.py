@@ -9,10 +9,16 @@ the run config, optionally RNG states and further strategy state.
 File layout (all integers big-endian)::
 
     magic      8 bytes  b"FDDLCKPT"
-    format     4 bytes  uint32, CHECKPOINT_FORMAT_VERSION
+    format     4 bytes  uint32: 1 (CHECKPOINT_FORMAT_VERSION), or 2 (KEYED_FORMAT_VERSION)
     length     8 bytes  uint64, payload length
-    sha256    32 bytes  of the payload
+    digest    32 bytes  format 1: SHA-256 of the payload;
+                        format 2: HMAC-SHA256 of magic, format, length and payload
     payload    torch.save of a dict of plain types and tensors
+
+A SHA-256 only detects accidents: anyone can re-hash a crafted file. With a secret key
+(``checkpoint-key-file``, :func:`read_key_file`) checkpoints are written in format 2 and
+only a file whose HMAC verifies with that key is loaded; a format-1 file is then refused
+("not authenticated"), and a format-2 file cannot be loaded without the key.
 
 Saving writes a temporary file in the target directory, fsyncs it and
 ``os.replace``-s it over the target (then fsyncs the directory), so a crash
@@ -24,6 +30,7 @@ with ``torch.load(weights_only=True)`` so a checkpoint cannot run code.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import io
 import os
 import re
@@ -32,6 +39,7 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from logging import WARNING, getLogger
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +49,8 @@ from fedddl.framing import check_magic
 
 __all__ = [
     "CHECKPOINT_FORMAT_VERSION",
+    "KEYED_FORMAT_VERSION",
+    "MIN_KEY_BYTES",
     "CheckpointError",
     "ServerCheckpoint",
     "checkpoint_path",
@@ -48,10 +58,16 @@ __all__ = [
     "load_checkpoint",
     "load_latest_checkpoint",
     "prune_checkpoints",
+    "read_key_file",
     "save_checkpoint",
 ]
 
 CHECKPOINT_FORMAT_VERSION = 1
+#: Format of a checkpoint authenticated with HMAC-SHA256 (same layout, keyed digest).
+KEYED_FORMAT_VERSION = 2
+#: Shortest accepted checkpoint key.
+MIN_KEY_BYTES = 16
+logger = getLogger("fedddl")
 _MAGIC = b"FDDLCKPT"
 _HEADER = struct.Struct(">8sIQ32s")
 _NAME_RE = re.compile(r"^round-(\d{6,})\.ckpt$")
@@ -124,16 +140,25 @@ class ServerCheckpoint:
                 f"the checkpoint version {self.version}"
             )
 
-    def check_config(self, config: Mapping[str, Any], keys: Sequence[str]) -> None:
+    def check_config(
+        self,
+        config: Mapping[str, Any],
+        keys: Sequence[str],
+        defaults: Mapping[str, Any] | None = None,
+    ) -> None:
         """Raise :class:`CheckpointError` if ``config`` differs from the saved one on ``keys``.
 
         Use it on resume for settings that must not change mid-run
-        (dataset, model, strategy, compressor, number of clients, ...).
+        (dataset, model, strategy, compressor, number of clients, ...). A key missing
+        from the saved config (a checkpoint older than the key) counts as its value in
+        ``defaults``.
         """
+        defaults = defaults or {}
+        saved = {key: self.config.get(key, defaults.get(key)) for key in keys}
         differences = [
-            f"{key}: checkpoint {self.config.get(key)!r}, run {config.get(key)!r}"
+            f"{key}: checkpoint {saved[key]!r}, run {config.get(key)!r}"
             for key in keys
-            if self.config.get(key) != config.get(key)
+            if saved[key] != config.get(key)
         ]
         if differences:
             raise CheckpointError(
@@ -192,7 +217,38 @@ def _to_payload(checkpoint: ServerCheckpoint) -> dict[str, Any]:
     }
 
 
-def save_checkpoint(checkpoint: ServerCheckpoint, path: str | Path) -> Path:
+def read_key_file(path: str | Path) -> bytes:
+    """The checkpoint key in ``path`` (its bytes, surrounding whitespace removed).
+
+    Raises
+    ------
+    CheckpointError
+        If the file cannot be read or the key is shorter than :data:`MIN_KEY_BYTES`.
+    """
+    try:
+        key = Path(path).read_bytes().strip()
+    except OSError as err:
+        raise CheckpointError(f"cannot read checkpoint-key-file {path}: {err}") from err
+    _check_key(key, f"checkpoint-key-file {path}")
+    return key
+
+
+def _check_key(key: bytes, what: str = "checkpoint key") -> None:
+    if not isinstance(key, bytes) or len(key) < MIN_KEY_BYTES:
+        raise CheckpointError(f"{what} must hold at least {MIN_KEY_BYTES} bytes")
+
+
+def _digest(fmt: int, body: bytes, key: bytes | None) -> bytes:
+    if key is None:
+        return hashlib.sha256(body).digest()
+    mac = hmac.new(key, _MAGIC + struct.pack(">IQ", fmt, len(body)), hashlib.sha256)
+    mac.update(body)
+    return mac.digest()
+
+
+def save_checkpoint(
+    checkpoint: ServerCheckpoint, path: str | Path, *, key: bytes | None = None
+) -> Path:
     """Write ``checkpoint`` to ``path`` atomically (temp file + fsync + os.replace).
 
     Parameters
@@ -201,6 +257,8 @@ def save_checkpoint(checkpoint: ServerCheckpoint, path: str | Path) -> Path:
         What to save; ``created_unix`` is set to now if it is 0.
     path : str or Path
         Target file; its directory is created if missing.
+    key : bytes | None
+        Authenticate the file with HMAC-SHA256 under this key (format 2).
 
     Returns
     -------
@@ -216,11 +274,13 @@ def save_checkpoint(checkpoint: ServerCheckpoint, path: str | Path) -> Path:
         checkpoint.created_unix = time.time()
     payload = _to_payload(checkpoint)
     _check_plain(payload, "checkpoint")
+    if key is not None:
+        _check_key(key)
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     body = buffer.getvalue()
-    header = _HEADER.pack(_MAGIC, CHECKPOINT_FORMAT_VERSION, len(body),
-                          hashlib.sha256(body).digest())
+    fmt = CHECKPOINT_FORMAT_VERSION if key is None else KEYED_FORMAT_VERSION
+    header = _HEADER.pack(_MAGIC, fmt, len(body), _digest(fmt, body, key))
 
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -245,15 +305,20 @@ def save_checkpoint(checkpoint: ServerCheckpoint, path: str | Path) -> Path:
     return target
 
 
-def load_checkpoint(path: str | Path) -> ServerCheckpoint:
+def load_checkpoint(path: str | Path, *, key: bytes | None = None) -> ServerCheckpoint:
     """Read and verify a checkpoint written by :func:`save_checkpoint`.
+
+    With ``key``, only a file authenticated with that key (format 2) is accepted.
 
     Raises
     ------
     CheckpointError
         If the file is missing, is not a fedddl checkpoint, has another format
-        version, is truncated, fails its checksum or holds malformed content.
+        version, is truncated, fails its checksum or authentication, or holds malformed
+        content.
     """
+    if key is not None:
+        _check_key(key)
     source = Path(path)
     try:
         data = source.read_bytes()
@@ -270,16 +335,31 @@ def load_checkpoint(path: str | Path) -> ServerCheckpoint:
         magic,
         fmt,
         expected_magic=_MAGIC,
-        expected_version=CHECKPOINT_FORMAT_VERSION,
+        expected_version=fmt if fmt == KEYED_FORMAT_VERSION else CHECKPOINT_FORMAT_VERSION,
         error=CheckpointError,
     )
+    if fmt == KEYED_FORMAT_VERSION and key is None:
+        raise CheckpointError(
+            f"checkpoint {source} is authenticated with a key (format version {fmt}, "
+            "HMAC-SHA256): set checkpoint-key-file to load it"
+        )
+    if fmt == CHECKPOINT_FORMAT_VERSION and key is not None:
+        raise CheckpointError(
+            f"checkpoint {source} is not authenticated (format version {fmt}, plain "
+            "SHA-256) but a checkpoint key is configured"
+        )
     body = data[_HEADER.size:]
     if len(body) != length:
         raise CheckpointError(
             f"checkpoint {source} is truncated or has trailing data: payload is "
             f"{len(body)} bytes, header says {length}"
         )
-    if hashlib.sha256(body).digest() != digest:
+    if not hmac.compare_digest(_digest(fmt, body, key), digest):
+        if key is not None:
+            raise CheckpointError(
+                f"checkpoint {source} fails authentication: HMAC mismatch (corrupt, "
+                "crafted, or written with another key)"
+            )
         raise CheckpointError(f"checkpoint {source} is corrupt: checksum mismatch")
     try:
         payload = torch.load(io.BytesIO(body), weights_only=True)
@@ -325,21 +405,55 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
 
 
 def load_latest_checkpoint(
-    directory: str | Path, *, skip_corrupt: bool = True
+    directory: str | Path,
+    *,
+    skip_corrupt: bool = True,
+    key: bytes | None = None,
+    allow_fresh_start: bool = False,
 ) -> tuple[Path, ServerCheckpoint] | None:
-    """Load the newest readable round checkpoint in ``directory``.
+    """Load the newest readable round checkpoint (``round-*.ckpt``) in ``directory``.
 
-    With ``skip_corrupt`` a checkpoint that fails verification is skipped (and
-    the next older one tried); otherwise its :class:`CheckpointError` is raised.
-    Returns None when there is no (readable) checkpoint.
+    With ``skip_corrupt`` a checkpoint that fails verification is skipped, with its
+    reason logged at WARNING, and the next older one tried; otherwise its
+    :class:`CheckpointError` is raised. ``key``: see :func:`load_checkpoint`.
+
+    Returns
+    -------
+    tuple[Path, ServerCheckpoint] | None
+        None when the directory holds no checkpoint file, or (with ``allow_fresh_start``)
+        when none of them is readable.
+
+    Raises
+    ------
+    CheckpointError
+        When checkpoint files exist but none is readable (each one's reason listed),
+        unless ``allow_fresh_start``.
     """
+    reasons: list[str] = []
     for _, path in reversed(_rounds_in(Path(directory))):
         try:
-            return path, load_checkpoint(path)
-        except CheckpointError:
+            return path, load_checkpoint(path, key=key)
+        except CheckpointError as err:
             if not skip_corrupt:
                 raise
-    return None
+            reasons.append(str(err))
+            logger.log(WARNING, "skipping checkpoint %s: %s", path, err)
+    if not reasons:
+        return None
+    if allow_fresh_start:
+        logger.log(
+            WARNING,
+            "none of the %d checkpoint(s) in %s is readable; starting from round 0 "
+            "(checkpoint-allow-fresh-start = true)",
+            len(reasons),
+            directory,
+        )
+        return None
+    raise CheckpointError(
+        f"none of the {len(reasons)} checkpoint(s) in {directory} is readable, so the run "
+        "stops rather than retrain from round 0 over them (set "
+        "checkpoint-allow-fresh-start = true to do that): " + "; ".join(reasons)
+    )
 
 
 def prune_checkpoints(directory: str | Path, keep: int) -> list[Path]:

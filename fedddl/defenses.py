@@ -41,7 +41,7 @@ class Defenses:
     scale_bound: float = 8.0
     scale_bound_action: str = "clip"
     scale_bound_rounds: int = 10
-    resync_interval: int = 25
+    resync_interval: int = 30
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the bad setting."""

@@ -51,6 +51,9 @@ class RoundRecorder:
         Added to Flower's round number (rounds completed before a resume).
     on_round : Callable[[int], None] | None
         Called with the global round number after each round has been recorded.
+    attackers : frozenset[int]
+        Attack evaluation: the attacking nodes. Each round then also records the bytes to
+        and from them and ``replicas_equal_honest`` (the fingerprints of the other nodes).
     """
 
     def __init__(
@@ -64,12 +67,14 @@ class RoundRecorder:
         progress: Callable[[str], None] | None = None,
         round_offset: int = 0,
         on_round: Callable[[int], None] | None = None,
+        attackers: frozenset[int] = frozenset(),
     ) -> None:
         if round_offset < 0:
             raise ValueError(f"round_offset must be >= 0, got {round_offset}")
         self.model = model_fn()
         self.round_offset = round_offset
         self.on_round = on_round
+        self.attackers = attackers
         self.x_test, self.y_test = x_test, y_test
         self.grid = grid
         self.round_report = round_report
@@ -114,11 +119,23 @@ class RoundRecorder:
                     "model_version": report.version,
                     "accepted": len(report.accepted),
                     "dropped": {str(k): v for k, v in report.dropped.items()},
+                    "clipped": {str(k): v for k, v in report.clipped.items()},
+                    "mismatched": list(report.mismatched),
+                    "resync_limited": list(report.resync_limited),
                     "downlink_format": report.downlink_format,
                     "aggregate_s": report.aggregate_s,
                     "skipped": report.skipped,
+                    "skip_reason": report.skip_reason,
                 }
             )
+        if self.attackers:
+            down, up = self.grid.bytes_down_by_node, self.grid.bytes_up_by_node
+            record["bytes_down_attackers"] = sum(down.get(n, 0) for n in self.attackers)
+            record["bytes_up_attackers"] = sum(up.get(n, 0) for n in self.attackers)
+            if report is not None:
+                record["replicas_equal_honest"] = report.replicas_equal_without(
+                    set(self.attackers)
+                )
         self.rounds.append(record)
         agree = {True: "yes", False: "NO", None: "n/a"}[record["replicas_equal"]]
         self.progress(

@@ -5,13 +5,22 @@ from ``context.run_config``; :func:`make_server_app` binds a given config and a
 ``sink`` that receives the results dict (the in-process ``fedddl simulate`` path).
 
 Checkpoint and resume (TernGrad family): with ``checkpoint-dir`` set, the run
-first looks for the newest readable checkpoint there; if one exists it checks
-that the settings in :data:`RESUME_CHECK_KEYS` are unchanged, restores the
-strategy (:meth:`~strategies.replica_strategy.ReplicaStrategy.restore`) and runs only the
-remaining ``num-server-rounds - checkpoint.round`` rounds, numbering them
-globally in the results. With ``checkpoint-every = N`` a checkpoint is written
-after every global round divisible by N, and only the newest
-``checkpoint-keep`` are kept.
+first looks for the newest readable checkpoint there (each skipped one is logged at
+WARNING with its reason); if one exists it checks that every setting that changes the
+trajectory (:data:`RESUME_CHECK_KEYS`: every run-config key except
+:data:`RESUME_IGNORED_KEYS`) is unchanged, restores the strategy
+(:meth:`~strategies.replica_strategy.ReplicaStrategy.restore`, which validates the state
+first) and runs only the remaining ``num-server-rounds - checkpoint.round`` rounds,
+numbering them globally in the results. When the directory holds checkpoint files but
+none is readable the run stops with an error, unless ``checkpoint-allow-fresh-start``.
+With ``checkpoint-key-file`` every checkpoint is written and read with an HMAC-SHA256
+tag under that key. With ``checkpoint-every = N`` a checkpoint is written after every
+global round divisible by N, and only the newest ``checkpoint-keep`` are kept.
+
+Attack evaluation (``attack``, ``num-attackers``): before the first round the ServerApp
+holds a roll call (:mod:`strategies.roll_call`) to learn which nodes hold the attacking
+partitions; the results then carry ``"attack"`` (kind, partition and node ids) and, per
+round, the bytes to and from the attackers and ``replicas_equal_honest``.
 
 In a deployment (Flower's ``HttpGrid``) the grid is wrapped in
 :class:`fedddl.flower.grid.FastPollGrid` (replies polled every 50 ms instead
@@ -40,18 +49,33 @@ from flwr.serverapp.strategy import Strategy
 from fedddl.app_config import AppConfig
 from strategies.replica_strategy import ReplicaStrategy
 
-__all__ = ["RESUME_CHECK_KEYS", "app", "make_server_app", "run_server", "summarize"]
+__all__ = [
+    "RESUME_CHECK_KEYS",
+    "RESUME_IGNORED_KEYS",
+    "app",
+    "make_server_app",
+    "run_server",
+    "summarize",
+]
 
-#: Run-config keys that must match the checkpoint's for a resume.
-RESUME_CHECK_KEYS: tuple[str, ...] = (
-    "dataset",
-    "arch",
-    "strategy",
-    "compressor",
-    "partition",
-    "seed",
-    "learning-rate",
-    "momentum",
+#: Run-config keys that do not change the trajectory of a run: they may differ on resume.
+RESUME_IGNORED_KEYS: frozenset[str] = frozenset(
+    {
+        "num-server-rounds",
+        "data-root",
+        "results-path",
+        "min-available-nodes",
+        "checkpoint-dir",
+        "checkpoint-every",
+        "checkpoint-keep",
+        "checkpoint-allow-fresh-start",
+        "checkpoint-key-file",
+    }
+)
+#: Run-config keys that must match the checkpoint's for a resume: every other key (a key
+#: the checkpoint predates counts as its default).
+RESUME_CHECK_KEYS: tuple[str, ...] = tuple(
+    key for key in AppConfig().to_run_config() if key not in RESUME_IGNORED_KEYS
 )
 
 
@@ -77,6 +101,7 @@ def run_server(
         If the checkpoint to resume from does not fit this run.
     """
     from fedddl.data import as_tensors, load_dataset
+    from fedddl.finite_json import finite_json
     from fedddl.flower.grid import CountingGrid, fast_poll
     from strategies.recorder import RoundRecorder
     from strategies.registry import build_strategy
@@ -86,13 +111,16 @@ def run_server(
     model_fn = cfg.model_factory()
     strategy = build_strategy(cfg, model_fn)
     replica = replica_strategy(strategy)
-    resumed = _resume(replica, strategy, cfg)
+    key = _checkpoint_key(cfg)
+    resumed = _resume(replica, strategy, cfg, key)
     offset = 0 if resumed is None else int(resumed["round"])
     x_test, y_test = as_tensors(load_dataset(cfg.dataset, cfg.data_root or None, split="test"))
-    counting = CountingGrid(fast_poll(grid))
+    polled = fast_poll(grid)
+    attack = _attack_roll_call(polled, cfg)
+    counting = CountingGrid(polled)
     saver = None
     if replica is not None and cfg.checkpoint_every > 0:
-        saver = _checkpoint_saver(replica, cfg)
+        saver = _checkpoint_saver(replica, cfg, key)
     recorder = RoundRecorder(
         model_fn,
         x_test,
@@ -103,6 +131,7 @@ def run_server(
         progress,
         round_offset=offset,
         on_round=saver,
+        attackers=frozenset(attack["node_ids"]) if attack else frozenset(),
     )
     initial = replica.global_model() if replica is not None else model_fn()
     remaining = cfg.num_server_rounds - offset
@@ -130,13 +159,15 @@ def run_server(
         "resumed_from": resumed,
         "final_version": None if replica is None else replica.model_version(),
         "final_fingerprint": None if replica is None else _fingerprint(replica),
+        "attack": attack,
     }
     result["summary"] = summarize(result)
+    result = finite_json(result)  # a NaN or Inf that got this far becomes null, not bad JSON
     log(INFO, "fedddl summary: %s", json.dumps(result["summary"]))
     if cfg.results_path:
         path = Path(cfg.results_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1))
+        path.write_text(json.dumps(result, indent=1, allow_nan=False))
         log(INFO, "fedddl results written to %s", path)
     return result
 
@@ -147,8 +178,34 @@ def _fingerprint(replica: ReplicaStrategy) -> str:
     return parameters_fingerprint(replica.global_model())
 
 
+def _attack_roll_call(grid: Grid, cfg: AppConfig) -> dict[str, Any] | None:
+    """Attack evaluation: which nodes hold the attacking partitions (None without attack)."""
+    if cfg.num_attackers == 0:
+        return None
+    from fedddl.attacks import attacker_partitions
+    from strategies.roll_call import roll_call
+
+    partitions = roll_call(grid, cfg.min_available_nodes)
+    num = len(partitions)
+    attacking = attacker_partitions(num, cfg.num_attackers, cfg.seed)
+    nodes = sorted(node for node, pid in partitions.items() if pid in attacking)
+    log(INFO, "fedddl: attack %s from partitions %s (nodes %s)", cfg.attack, attacking, nodes)
+    return {
+        "attack": cfg.attack,
+        "num_attackers": cfg.num_attackers,
+        "partition_ids": attacking,
+        "node_ids": nodes,
+    }
+
+
+def _checkpoint_key(cfg: AppConfig) -> bytes | None:
+    from fedddl.checkpoint import read_key_file
+
+    return read_key_file(cfg.checkpoint_key_file) if cfg.checkpoint_key_file else None
+
+
 def _resume(
-    replica: ReplicaStrategy | None, strategy: Strategy, cfg: AppConfig
+    replica: ReplicaStrategy | None, strategy: Strategy, cfg: AppConfig, key: bytes | None
 ) -> dict[str, Any] | None:
     """Restore ``replica`` from the newest checkpoint in ``cfg.checkpoint_dir``, if any."""
     from fedddl.checkpoint import load_latest_checkpoint
@@ -160,7 +217,9 @@ def _resume(
         )
     if not cfg.checkpoint_dir:
         return None
-    found = load_latest_checkpoint(cfg.checkpoint_dir)
+    found = load_latest_checkpoint(
+        cfg.checkpoint_dir, key=key, allow_fresh_start=cfg.checkpoint_allow_fresh_start
+    )
     if found is None:
         log(INFO, "fedddl: no checkpoint in %s, starting from round 0", cfg.checkpoint_dir)
         return None
@@ -170,13 +229,15 @@ def _resume(
             f"cannot resume {type(strategy).__name__} from {path}: only TernGrad-family "
             "strategies (a ReplicaStrategy) are checkpointed"
         )
-    ckpt.check_config(cfg.to_run_config(), RESUME_CHECK_KEYS)
+    ckpt.check_config(cfg.to_run_config(), RESUME_CHECK_KEYS, AppConfig().to_run_config())
     replica.restore(ckpt)
     log(INFO, "fedddl: resumed from %s (round %d, version %d)", path, ckpt.round, ckpt.version)
     return {"round": ckpt.round, "version": ckpt.version, "path": str(path)}
 
 
-def _checkpoint_saver(replica: ReplicaStrategy, cfg: AppConfig) -> Callable[[int], None]:
+def _checkpoint_saver(
+    replica: ReplicaStrategy, cfg: AppConfig, key: bytes | None
+) -> Callable[[int], None]:
     """Return the ``on_round`` hook saving a checkpoint every ``cfg.checkpoint_every`` rounds."""
     from fedddl.checkpoint import checkpoint_path, prune_checkpoints, save_checkpoint
 
@@ -188,6 +249,7 @@ def _checkpoint_saver(replica: ReplicaStrategy, cfg: AppConfig) -> Callable[[int
         path = save_checkpoint(
             replica.checkpoint(global_round, config),
             checkpoint_path(cfg.checkpoint_dir, global_round),
+            key=key,
         )
         prune_checkpoints(cfg.checkpoint_dir, cfg.checkpoint_keep)
         log(INFO, "fedddl: checkpoint of round %d written to %s", global_round, path)
@@ -214,7 +276,40 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         ),
         "replicas_equal_all": all(checked) if checked else None,
         "dropped_replies": sum(len(r.get("dropped", {})) for r in rounds),
+        "clipped_replies": sum(len(r.get("clipped", {})) for r in rounds),
+        "resync_limited": sum(len(r.get("resync_limited", [])) for r in rounds),
         "skipped_rounds": sum(1 for r in rounds if r.get("skipped")),
+        **_attack_summary(result.get("attack"), rounds),
+    }
+
+
+def _attack_summary(attack: dict[str, Any] | None, rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Attack evaluation: the figures of the honest nodes and of the attackers, apart."""
+    if not attack:
+        return {}
+    n = len(rounds)
+    bad = {str(node) for node in attack["node_ids"]}
+    honest_checked = [r["replicas_equal_honest"] for r in rounds]
+    checked = [v for v in honest_checked if v is not None]
+
+    def split(key: str) -> tuple[int, int]:
+        found = [node for r in rounds for node in r.get(key, {})]
+        return sum(node in bad for node in found), sum(node not in bad for node in found)
+
+    dropped_bad, dropped_honest = split("dropped")
+    clipped_bad, clipped_honest = split("clipped")
+    down_bad = sum(r["bytes_down_attackers"] for r in rounds) / n
+    up_bad = sum(r["bytes_up_attackers"] for r in rounds) / n
+    return {
+        "replicas_equal_honest_all": all(checked) if checked else None,
+        "mean_bytes_down_honest": sum(r["bytes_down"] for r in rounds) / n - down_bad,
+        "mean_bytes_down_attackers": down_bad,
+        "mean_bytes_up_honest": sum(r["bytes_up"] for r in rounds) / n - up_bad,
+        "mean_bytes_up_attackers": up_bad,
+        "dropped_attacker_replies": dropped_bad,
+        "dropped_honest_replies": dropped_honest,
+        "clipped_attacker_replies": clipped_bad,
+        "clipped_honest_replies": clipped_honest,
     }
 
 

@@ -58,7 +58,13 @@ def tamper_reply(reply: ClientReply, attack: Attack) -> ClientReply:
     if attack.kind == "many-tensors":
         return dataclasses.replace(reply, payload=many_tensors_payload())
     if attack.kind in _PAYLOAD_KINDS:
-        return dataclasses.replace(reply, payload=rewrite_payload(reply.payload, attack))
+        scales = reply.scales
+        if attack.kind == "scale" and scales is not None:  # the reported local scales too
+            assert attack.arg is not None
+            wide = scales.to(torch.float64) * attack.arg
+            scales = wide.clamp(max=_FLOAT32_MAX).to(torch.float32)
+        payload = rewrite_payload(reply.payload, attack)
+        return dataclasses.replace(reply, payload=payload, scales=scales)
     raise ValueError(f"unknown attack kind {attack.kind!r}")
 
 

@@ -46,6 +46,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plugins", default="", help="comma-separated modules to import first (custom compressors)"
     )
+    # Defences of the TernGrad-family server and attack injection (untrusted clients).
+    parser.add_argument(
+        "--aggregator",
+        default="mean",
+        choices=("mean", "median", "trimmed-mean", "sign-vote"),
+        help="how the server combines the accepted gradients",
+    )
+    parser.add_argument(
+        "--trim-fraction", type=float, default=0.2, help="share cut from each end (trimmed-mean)"
+    )
+    parser.add_argument(
+        "--scale-bound",
+        type=float,
+        default=8.0,
+        help="clip/drop ternary scales above this x the round's median scale (0: off)",
+    )
+    parser.add_argument("--scale-bound-action", default="clip", choices=("clip", "drop"))
+    parser.add_argument(
+        "--scale-bound-rounds",
+        type=int,
+        default=10,
+        help="previous rounds whose scales join the bound's median",
+    )
+    parser.add_argument(
+        "--resync-interval",
+        type=int,
+        default=30,
+        help="serve the resyncs a node causes at most once every N rounds (0: no limit)",
+    )
+    parser.add_argument(
+        "--attack",
+        default="",
+        help="evaluation: KIND[:ARG] run by --num-attackers clients (scale:S, sign-flip, "
+        "all-plus, nan-metrics, inf-metrics, huge-examples, resync-spam, fingerprint-lie, "
+        "many-tensors)",
+    )
+    parser.add_argument("--num-attackers", type=int, default=0)
     parser.add_argument(
         "--cpus-per-client",
         type=float,
@@ -82,9 +119,21 @@ def run(args: argparse.Namespace) -> int:
             error_feedback=args.error_feedback,
             update_log_size=args.update_log_size,
             plugins=args.plugins,
+            aggregator=args.aggregator,
+            trim_fraction=args.trim_fraction,
+            scale_bound=args.scale_bound,
+            scale_bound_action=args.scale_bound_action,
+            scale_bound_rounds=args.scale_bound_rounds,
+            resync_interval=args.resync_interval,
+            attack=args.attack,
+            num_attackers=args.num_attackers,
         )
         if args.num_clients < 1:
             raise ValueError(f"--num-clients must be >= 1, got {args.num_clients}")
+        if args.num_attackers > args.num_clients:
+            raise ValueError(
+                f"--num-attackers {args.num_attackers} exceeds --num-clients {args.num_clients}"
+            )
     except ValueError as err:
         print(f"fedddl simulate: {err}", file=sys.stderr)
         return 2

@@ -25,6 +25,7 @@ once and counted once per destination.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 
@@ -111,7 +112,9 @@ class CountingGrid(DelegatingGrid):
         Seconds spent serializing for the byte counts since :meth:`reset`.
     client_s : float
         Sum of the ``client-s`` metric of the replies (handler seconds reported by clients
-        run with ``FEDDDL_CLIENT_TIMING=1``) since :meth:`reset`.
+        run with ``FEDDDL_CLIENT_TIMING=1``) since :meth:`reset`; finite values >= 0 only.
+    bytes_down_by_node, bytes_up_by_node : dict[int, int]
+        The same byte counts per node since :meth:`reset`.
     """
 
     def __init__(self, inner: Grid) -> None:
@@ -127,24 +130,31 @@ class CountingGrid(DelegatingGrid):
         self.exchange_s = 0.0
         self.count_s = 0.0
         self.client_s = 0.0
+        self.bytes_down_by_node: dict[int, int] = {}
+        self.bytes_up_by_node: dict[int, int] = {}
 
-    def _count(self, contents: Iterable[RecordDict]) -> int:
+    def _count(self, contents: Iterable[tuple[int, RecordDict]], by_node: dict[int, int]) -> int:
         start = time.perf_counter()
         sizes: dict[int, int] = {}
         total = 0
-        for content in contents:
+        for node, content in contents:
             key = id(content)
             if key not in sizes:
                 sizes[key] = content_nbytes(content)
             total += sizes[key]
+            by_node[node] = by_node.get(node, 0) + sizes[key]
         self.count_s += time.perf_counter() - start
         return total
+
+    def _count_down(self, messages: list[Message]) -> None:
+        pairs = ((int(m.metadata.dst_node_id), m.content) for m in messages)
+        self.bytes_down += self._count(pairs, self.bytes_down_by_node)
+        self.messages_down += len(messages)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         """Count, then delegate."""
         messages = list(messages)
-        self.bytes_down += self._count(m.content for m in messages)
-        self.messages_down += len(messages)
+        self._count_down(messages)
         return self.inner.push_messages(messages)
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
@@ -155,12 +165,13 @@ class CountingGrid(DelegatingGrid):
 
     def _observe(self, replies: list[Message]) -> None:
         ok = [r for r in replies if not r.has_error()]
-        self.bytes_up += self._count(r.content for r in ok)
+        pairs = ((int(r.metadata.src_node_id), r.content) for r in ok)
+        self.bytes_up += self._count(pairs, self.bytes_up_by_node)
         self.messages_up += len(replies)
         for r in ok:
             metrics = r.content.metric_records.get(METRICS)
             value = None if metrics is None else metrics.get(CLIENT_SECONDS)
-            if isinstance(value, float):
+            if isinstance(value, float) and 0 <= value < math.inf:  # a client's claim
                 self.client_s += value
 
     def send_and_receive(
@@ -170,8 +181,7 @@ class CountingGrid(DelegatingGrid):
         messages = list(messages)
         if not messages:
             return []
-        self.bytes_down += self._count(m.content for m in messages)
-        self.messages_down += len(messages)
+        self._count_down(messages)
         start = time.perf_counter()
         replies = list(self.inner.send_and_receive(messages, timeout=timeout))
         self.exchange_s += time.perf_counter() - start

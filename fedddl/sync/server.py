@@ -398,6 +398,7 @@ class ReplicaServer:
         Nothing is decoded here. Any exception counts against the reply, never the round.
         """
         if isinstance(item, ParseFailure):
+            self.resyncs.unreadable(item.node_id)
             self._drop(report, item.node_id, item.error)
             return None
         error: ReplyError | None = None

@@ -1,0 +1,157 @@
+"""Final accuracy under attack, per aggregator: the README's table of untrusted clients.
+
+Runs ``fedddl simulate`` (in-process Flower simulation, digits, 10 clients, the README's
+TernGrad settings) once per cell, each in its own process, writes every results JSON to
+``--out`` (a cell whose JSON exists is not run again, so an interrupted table resumes) and
+prints the Markdown tables::
+
+    python simulations/attack_table.py --rounds 100 --out results/attacks
+
+Columns: ``plain mean`` is the mean without the scale bound and without the resync rate
+limit (``--scale-bound 0 --resync-interval 0``: what the server did before they existed,
+except that malformed metrics and payloads whose header does not fit the model are
+always refused); ``mean`` is the default; then each robust aggregator with the default
+bound. Model-poisoning attacks run in every column; attacks the screening refuses whatever
+the aggregator (bad metrics, oversized payloads) run with the default only; the bandwidth
+attacks run plain and default, and their table shows bytes and replica agreement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+COLUMNS: dict[str, list[str]] = {
+    "plain mean": ["--scale-bound", "0", "--resync-interval", "0"],
+    "mean": [],
+    "median": ["--aggregator", "median"],
+    "trimmed-mean": ["--aggregator", "trimmed-mean"],
+    "sign-vote": ["--aggregator", "sign-vote"],
+}
+POISONING = ["scale:1e6", "scale:1e30", "sign-flip", "all-plus"]
+REFUSED = ["nan-metrics", "inf-metrics", "huge-examples", "many-tensors"]
+BANDWIDTH = ["resync-spam", "fingerprint-lie"]
+ATTACKERS = (1, 3)
+
+
+def cells() -> list[tuple[str, int, str]]:
+    """Every ``(attack, attackers, column)`` of the tables (attack '' is the clean run)."""
+    out = [("", 0, column) for column in COLUMNS]
+    for attack in POISONING:
+        out += [(attack, n, column) for n in ATTACKERS for column in COLUMNS]
+    for attack in REFUSED:
+        out += [(attack, n, "mean") for n in ATTACKERS]
+    for attack in BANDWIDTH:
+        out += [(attack, n, column) for n in ATTACKERS for column in ("plain mean", "mean")]
+    return out
+
+
+def _name(attack: str, attackers: int, column: str) -> str:
+    return f"{attack or 'clean'}-{attackers}-{column.replace(' ', '_')}.json".replace(":", "_")
+
+
+def run_cell(
+    attack: str, attackers: int, column: str, rounds: int, out: Path, extra: list[str]
+) -> dict[str, Any]:
+    """Run (or read back) one cell's simulation."""
+    path = out / _name(attack, attackers, column)
+    if not path.exists():
+        command = [
+            sys.executable, "-m", "fedddl", "simulate", "--strategy", "terngrad",
+            "--dataset", "digits", "--num-clients", "10", "--rounds", str(rounds),
+            "--seed", "0", "--quiet", "--out", str(path), *COLUMNS[column], *extra,
+        ]  # fmt: skip
+        if attack:
+            command += ["--attack", attack, "--num-attackers", str(attackers)]
+        start = time.perf_counter()
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        data = json.loads(path.read_text())
+        data["runtime_s"] = time.perf_counter() - start
+        path.write_text(json.dumps(data, indent=1))
+        print(f"{path.name}: {data['final_accuracy']:.4f} in {data['runtime_s']:.0f} s", flush=True)
+    result: dict[str, Any] = json.loads(path.read_text())
+    return result
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.2f}"
+
+
+def tables(results: dict[tuple[str, int, str], dict[str, Any]], rounds: int) -> str:
+    """The Markdown tables of the results."""
+    lines = [
+        f"Final accuracy (%) after {rounds} rounds, digits, 10 clients:",
+        "",
+        "| attack | attackers | " + " | ".join(COLUMNS) + " |",
+        "|---|---|" + "---|" * len(COLUMNS),
+    ]
+    for attack, attackers in [("", 0)] + [(a, n) for a in POISONING + REFUSED for n in ATTACKERS]:
+        row = [
+            _pct(results[(attack, attackers, c)]["final_accuracy"])
+            if (attack, attackers, c) in results
+            else ""
+            for c in COLUMNS
+        ]
+        lines.append(f"| {attack or 'none'} | {attackers} | " + " | ".join(row) + " |")
+    lines += [
+        "",
+        "Bandwidth attacks (bytes per round, means; honest = the other clients together):",
+        "",
+        "| attack | attackers | column | accuracy % | server down | honest down "
+        "| attackers down | honest replicas equal | resyncs held back |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    clean = results.get(("", 0, "mean"))
+    if clean is not None:
+        s = clean["summary"]
+        lines.append(
+            f"| none | 0 | mean | {_pct(s['final_accuracy'])} | {s['mean_bytes_down']:,.0f} "
+            f"| {s['mean_bytes_down']:,.0f} | — | {s['replicas_equal_all']} | 0 |"
+        )
+    for attack in BANDWIDTH:
+        for attackers in ATTACKERS:
+            for column in ("plain mean", "mean"):
+                result = results.get((attack, attackers, column))
+                if result is None:
+                    continue
+                s = result["summary"]
+                lines.append(
+                    f"| {attack} | {attackers} | {column} | {_pct(s['final_accuracy'])} "
+                    f"| {s['mean_bytes_down']:,.0f} | {s['mean_bytes_down_honest']:,.0f} "
+                    f"| {s['mean_bytes_down_attackers']:,.0f} "
+                    f"| {s['replicas_equal_honest_all']} | {s['resync_limited']} |"
+                )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    """Run the missing cells, then print the tables."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--out", default="results/attacks")
+    parser.add_argument(
+        "--cpus-per-client", default="2", help="Ray CPUs per client (2 on 2 cores: one actor)"
+    )
+    parser.add_argument("--tables-only", action="store_true", help="print what exists")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for attack, attackers, column in cells():
+        path = out / _name(attack, attackers, column)
+        if args.tables_only and not path.exists():
+            continue
+        results[(attack, attackers, column)] = run_cell(
+            attack, attackers, column, args.rounds, out, ["--cpus-per-client", args.cpus_per_client]
+        )
+    print(tables(results, args.rounds))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
