@@ -12,8 +12,9 @@ limit (``--scale-bound 0 --resync-interval 0``: what the server did before they 
 except that malformed metrics and payloads whose header does not fit the model are
 always refused); ``mean`` is the default; then each robust aggregator with the default
 bound. Model-poisoning attacks run in every column; attacks the screening refuses whatever
-the aggregator (bad metrics, oversized payloads) run with the default only; the bandwidth
-attacks run plain and default, and their table shows bytes and replica agreement.
+the aggregator (bad metrics, oversized payloads) run with the default and one attacker only;
+the bandwidth attacks run plain and default, and their table shows bytes and replica
+agreement.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def cells() -> list[tuple[str, int, str]]:
     out = [("", 0, column) for column in COLUMNS]
     for attack in POISONING:
         out += [(attack, n, column) for n in ATTACKERS for column in COLUMNS]
-    for attack in REFUSED:
-        out += [(attack, n, "mean") for n in ATTACKERS]
+    for attack in REFUSED:  # refused by the screening whatever the aggregator or the count
+        out += [(attack, 1, "mean")]
     for attack in BANDWIDTH:
         out += [(attack, n, column) for n in ATTACKERS for column in ("plain mean", "mean")]
     return out
@@ -90,7 +91,8 @@ def tables(results: dict[tuple[str, int, str], dict[str, Any]], rounds: int) -> 
         "| attack | attackers | " + " | ".join(COLUMNS) + " |",
         "|---|---|" + "---|" * len(COLUMNS),
     ]
-    for attack, attackers in [("", 0)] + [(a, n) for a in POISONING + REFUSED for n in ATTACKERS]:
+    rows = [("", 0)] + [(a, n) for a in POISONING for n in ATTACKERS] + [(a, 1) for a in REFUSED]
+    for attack, attackers in rows:
         row = [
             _pct(results[(attack, attackers, c)]["final_accuracy"])
             if (attack, attackers, c) in results

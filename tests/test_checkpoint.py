@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fedddl.checkpoint import (
-    CHECKPOINT_FORMAT_VERSION,
+    KEYED_FORMAT_VERSION,
     CheckpointError,
     ServerCheckpoint,
     checkpoint_path,
@@ -141,7 +141,7 @@ def test_wrong_magic_and_future_format_are_rejected(tmp_path: Path) -> None:
     (tmp_path / "other.bin").write_bytes(b"PK\x03\x04" + data[4:])
     with pytest.raises(CheckpointError, match="bad magic"):
         load_checkpoint(tmp_path / "other.bin")
-    future = data[:8] + struct.pack(">I", CHECKPOINT_FORMAT_VERSION + 1) + data[12:]
+    future = data[:8] + struct.pack(">I", KEYED_FORMAT_VERSION + 1) + data[12:]
     (tmp_path / "future.ckpt").write_bytes(future)
     with pytest.raises(CheckpointError, match="format version"):
         load_checkpoint(tmp_path / "future.ckpt")

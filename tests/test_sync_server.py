@@ -50,6 +50,7 @@ class Cluster:
             downlink=self.cfg.downlink,
             update_log_size=self.cfg.update_log_size,
             min_replies=self.cfg.min_replies,
+            defenses=self.cfg.defenses(),
         )
         self.states = {n: WorkerState() for n in NODES}
         self.round = 0

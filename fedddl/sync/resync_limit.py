@@ -68,7 +68,7 @@ class ResyncLimiter:
 
     def wait(self, node: int) -> int:
         """Rounds ``node`` must wait after its last resync (doubling while it keeps failing)."""
-        backoff = min(2 ** max(self.strikes.get(node, 0) - 1, 0), self.MAX_BACKOFF)
+        backoff: int = min(2 ** max(self.strikes.get(node, 0) - 1, 0), self.MAX_BACKOFF)
         return self.interval * backoff
 
     def holds_back(self, node: int, server_round: int) -> bool:
