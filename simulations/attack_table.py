@@ -5,7 +5,7 @@ TernGrad settings) once per cell, each in its own process, writes every results 
 ``--out`` (a cell whose JSON exists is not run again, so an interrupted table resumes) and
 prints the Markdown tables::
 
-    python simulations/attack_table.py --rounds 100 --out results/attacks
+    python simulations/attack_table.py --rounds 200 --out results/attacks
 
 Columns: ``plain mean`` is the mean without the scale bound and without the resync rate
 limit (``--scale-bound 0 --resync-interval 0``: what the server did before they existed,
@@ -61,7 +61,12 @@ def run_cell(
 ) -> dict[str, Any]:
     """Run (or read back) one cell's simulation."""
     path = out / _name(attack, attackers, column)
-    if not path.exists():
+    for _ in range(2):  # once more if no client ever answered (Ray failed to start)
+        if path.exists() and _no_client_answered(json.loads(path.read_text())):
+            print(f"{path.name}: no client answered (Ray did not start?), running again")
+            path.unlink()
+        if path.exists():
+            break
         command = [
             sys.executable, "-m", "fedddl", "simulate", "--strategy", "terngrad",
             "--dataset", "digits", "--num-clients", "10", "--rounds", str(rounds),
@@ -74,9 +79,14 @@ def run_cell(
         data = json.loads(path.read_text())
         data["runtime_s"] = time.perf_counter() - start
         path.write_text(json.dumps(data, indent=1))
-        print(f"{path.name}: {data['final_accuracy']:.4f} in {data['runtime_s']:.0f} s", flush=True)
+        accuracy, runtime = data["final_accuracy"], data["runtime_s"]
+        print(f"{path.name}: {accuracy:.4f} in {runtime:.0f} s", flush=True)
     result: dict[str, Any] = json.loads(path.read_text())
     return result
+
+
+def _no_client_answered(result: dict[str, Any]) -> bool:
+    return bool(result["rounds"]) and all(r["messages_up"] == 0 for r in result["rounds"])
 
 
 def _pct(value: float | None) -> str:
@@ -134,7 +144,7 @@ def tables(results: dict[tuple[str, int, str], dict[str, Any]], rounds: int) -> 
 def main() -> int:
     """Run the missing cells, then print the tables."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--out", default="results/attacks")
     parser.add_argument(
         "--cpus-per-client", default="2", help="Ray CPUs per client (2 on 2 cores: one actor)"
