@@ -12,6 +12,7 @@ the key.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
@@ -178,11 +179,22 @@ class AppConfig:
                 continue  # gossip mode's keys, read by strategies.gossip_coordinator
             f = by_key.get(key)
             if f is None:
-                raise ValueError(
-                    f"unknown config key {key!r}; expected one of {', '.join(sorted(by_key))}"
-                )
+                raise ValueError(_unknown_key_message(key, by_key))
             kwargs[f.name] = _coerce(key, value, f.default)
         return cls(**kwargs)
+
+    def updated(self, run_config: Mapping[str, Any]) -> AppConfig:
+        """Return a copy with the kebab-case keys of ``run_config`` applied.
+
+        Any field is reachable (no per-key code); keys and values are checked as in
+        :meth:`from_run_config`.
+
+        Raises
+        ------
+        ValueError
+            On an unknown key (naming the closest known one) or a bad value.
+        """
+        return AppConfig.from_run_config({**self.to_run_config(), **run_config})
 
     def to_run_config(self) -> dict[str, Any]:
         """Return the kebab-case mapping (JSON-friendly) of every field."""
@@ -218,6 +230,13 @@ class AppConfig:
     def replace(self, **changes: Any) -> AppConfig:
         """Return a copy with ``changes`` (snake_case field names) applied."""
         return dataclasses.replace(self, **changes)
+
+
+def _unknown_key_message(key: str, known: Mapping[str, Any]) -> str:
+    """``unknown config key 'x'; did you mean 'y'?`` plus the known keys."""
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.4)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"unknown config key {key!r}{hint} (known keys: {', '.join(sorted(known))})"
 
 
 def _coerce(key: str, value: Any, default: Any) -> Any:

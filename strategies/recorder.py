@@ -25,6 +25,7 @@ from flwr.common.logger import log
 from torch import nn
 
 from fedddl.flower.grid import CountingGrid
+from fedddl.progress import report as report_progress
 from fedddl.sync.report import RoundReport
 
 __all__ = ["RoundRecorder"]
@@ -121,10 +122,12 @@ class RoundRecorder:
             )
         self.rounds.append(record)
         agree = {True: "yes", False: "NO", None: "n/a"}[record["replicas_equal"]]
-        self.progress(
+        report_progress(
+            self.progress,
             f"round {global_round}/{self.num_rounds}: acc={acc:.4f} loss={loss:.4f} "
             f"up={record['bytes_up']}B down={record['bytes_down']}B replicas-equal={agree} "
-            f"wall={wall:.3f}s"
+            f"wall={wall:.3f}s",
+            done=global_round,
         )
         if self.on_round is not None:
             self.on_round(global_round)

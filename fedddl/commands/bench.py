@@ -33,7 +33,9 @@ TARGETS = ("compression",)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``bench`` arguments."""
     parser.add_argument("target", choices=TARGETS, help="what to benchmark")
-    parser.add_argument("--numel", type=int, default=25_000_000, help="fp32 values (25 M)")
+    parser.add_argument(
+        "--numel", type=int, default=25_000_000, help="fp32 values of the flat update"
+    )
     parser.add_argument(
         "--shapes",
         choices=("flat", "resnet18"),
@@ -41,7 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="flat: one tensor of --numel values; resnet18: the 62 parameter tensors of the "
         "CIFAR ResNet-18 (11.2 M values, --numel ignored)",
     )
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs; the best is kept")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed runs of each case; the best is kept"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of data and compressors")
     parser.add_argument("--no-gradients", action="store_true", help="skip the real-gradient sizes")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
