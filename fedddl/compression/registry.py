@@ -101,6 +101,18 @@ def _ternary_base3(**kwargs: Any) -> Compressor:
     return TernaryCompressor(codec="base3", **kwargs)
 
 
+def _ternary_threshold(**kwargs: Any) -> Compressor:
+    return TernaryCompressor(deterministic=True, **kwargs)
+
+
+def _ternary_threshold_base3(**kwargs: Any) -> Compressor:
+    return TernaryCompressor(deterministic=True, codec="base3", **kwargs)
+
+
 register_compressor("ternary", TernaryCompressor)
 register_compressor("ternary-base3", _ternary_base3)
+# Deterministic threshold ternary (biased, contractive: |error| <= |input| per value), the
+# pairing for error feedback on whole model deltas (fedddl.flower.TernaryDelta).
+register_compressor("ternary-threshold", _ternary_threshold)
+register_compressor("ternary-threshold-base3", _ternary_threshold_base3)
 register_compressor("identity", IdentityCompressor)
