@@ -151,7 +151,7 @@ def run_server(
     *,
     compressed: bool,
     num_rounds: int,
-    lr: float = 0.05,
+    lr: float = 0.1,
     wrap: Callable[[Strategy], Strategy] | None = None,
 ) -> dict[str, Any]:
     """The quickstart's ServerApp main: FedAvg (wrapped in ``TernaryDelta`` when
