@@ -133,7 +133,6 @@ class TernaryDelta(Strategy):
         self._exact: dict[str, torch.Tensor] = {}
         self._others: dict[str, Array] = {}
         self._digest = ""
-        self._target: ArrayRecord | None = None
         self._target_digest = ""
         self._log: deque[tuple[int, bytes]] = deque()
         self._held: dict[int, int] = {}
@@ -191,13 +190,10 @@ class TernaryDelta(Strategy):
 
     def _advance(self, arrays: ArrayRecord) -> None:
         """Move the broadcast model towards ``arrays`` (once per distinct global model)."""
-        if arrays is self._target:
-            return
         target = split_model(arrays)
         target_digest = digest(target.floats) + "|" + _others_digest(target)
-        self._target = arrays
         if target_digest == self._target_digest:
-            return
+            return  # e.g. the evaluation and the next training of one global model
         self._target_digest = target_digest
         fresh = not self._names or not same_layout(
             arrays, join_model(self._names, self._floats, self._others)
