@@ -11,6 +11,7 @@ counts the serialized bytes of every message (per exchange) through
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.serde import recorddict_to_proto
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg, Strategy
 from sklearn.datasets import load_digits
@@ -86,8 +88,21 @@ def test(net: nn.Module, data: Any) -> tuple[float, float]:
 
 
 # ----------------------------------------------------------------------- the two apps
+def _reply_order(reply: Message) -> tuple[bool, str]:
+    """A fixed order of replies: errors last, then by a digest of the serialized content."""
+    if reply.has_error():
+        return True, reply.error.reason
+    data = recorddict_to_proto(reply.content).SerializeToString(deterministic=True)
+    return False, hashlib.sha256(data).hexdigest()
+
+
 class ExchangeCountingGrid(CountingGrid):
-    """A :class:`CountingGrid` that also records the bytes of each exchange."""
+    """A :class:`CountingGrid` that also records the bytes of each exchange.
+
+    It hands replies on in a fixed order (by content), not in arrival order: FedAvg sums
+    them in the order given, and float sums in another order differ in the last bits,
+    which training amplifies; with a fixed order a run replays exactly.
+    """
 
     def __init__(self, inner: Grid) -> None:
         super().__init__(inner)
@@ -98,7 +113,7 @@ class ExchangeCountingGrid(CountingGrid):
     ) -> Iterable[Message]:
         messages = list(messages)
         self.reset()
-        replies = list(super().send_and_receive(messages, timeout=timeout))
+        replies = sorted(super().send_and_receive(messages, timeout=timeout), key=_reply_order)
         kind = messages[0].metadata.message_type if messages else ""
         self.exchanges.append(
             {"type": kind, "down": self.bytes_down, "up": self.bytes_up,
