@@ -41,7 +41,7 @@ def _client_versions(grid: InlineGrid, cfg: AppConfig) -> dict[int, int]:
     out = {}
     for node, ctx in grid.contexts.items():
         st = load_state(
-            ctx.state, cfg.model_factory(), cfg.learning_rate, cfg.momentum, use_cache=False
+            ctx.state, cfg.model_factory(), cfg.learning_rate, cfg.momentum
         )
         out[node] = -1 if st.replica is None else st.replica.version
     return out

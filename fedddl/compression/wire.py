@@ -34,7 +34,7 @@ import math
 import struct
 import warnings
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -150,6 +150,7 @@ def encode_update(
     *,
     scales: Mapping[str, float] | None = None,
     clamp: bool = False,
+    dense: Collection[str] = (),
 ) -> bytes:
     """Compress and serialise ``named_tensors`` into one message.
 
@@ -169,6 +170,10 @@ def encode_update(
         With ``scales``: clamp each compensated tensor to ``[-scale, scale]`` before
         compressing it (scaler sharing with scales agreed in an earlier round, which may
         lie below this tensor's own). The memory then keeps what the clamp cut off too.
+
+    dense:
+        Names of tensors sent in fp32 (their own dtype) instead of through ``compressor``
+        (TernGrad's exemptions: small tensors, the logits layer).
 
     The order is fixed here, in one place: compensate, clamp, compress, update the
     memory, serialise.
@@ -204,13 +209,11 @@ def encode_update(
         inputs = [
             t if s is None else t.clamp(-s, s) for t, s in zip(compensated, shared, strict=True)
         ]
-    try:  # one pass over all tensors (threaded), or one by one to name the bad tensor
-        compressed = compressor.compress_batch(inputs, shared)
-    except (ValueError, TypeError):
-        compressed = []
-        for name, tensor, scale in zip(names, inputs, shared, strict=True):
-            with _naming(name):
-                compressed.append(compressor.compress(tensor, scale=scale))
+    exempt = set(dense) & set(names)
+    if exempt:
+        compressed = _compress_split(names, inputs, shared, compressor, exempt)
+    else:
+        compressed = _compress_all(names, inputs, shared, compressor)
     headers: list[bytes] = []
     data: list[memoryview] = []
     pending: list[tuple[str, torch.Tensor, Payload, Context]] = []
@@ -231,6 +234,47 @@ def encode_update(
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(headers), total)
     crc = crc32_of(data, crc32_of(headers, zlib.crc32(prefix)))
     return b"".join([prefix, *headers, *data, _CRC.pack(crc)])
+
+
+def _compress_all(
+    names: list[str],
+    inputs: list[torch.Tensor],
+    shared: list[float | None],
+    compressor: Compressor,
+) -> list[tuple[Payload, Context]]:
+    try:  # one pass over all tensors (threaded), or one by one to name the bad tensor
+        return compressor.compress_batch(inputs, shared)
+    except (ValueError, TypeError):
+        compressed = []
+        for name, tensor, scale in zip(names, inputs, shared, strict=True):
+            with _naming(name):
+                compressed.append(compressor.compress(tensor, scale=scale))
+        return compressed
+
+
+def _compress_split(
+    names: list[str],
+    inputs: list[torch.Tensor],
+    shared: list[float | None],
+    compressor: Compressor,
+    exempt: set[str],
+) -> list[tuple[Payload, Context]]:
+    """``compressor`` on the tensors not in ``exempt``, the identity on those in it."""
+    from fedddl.compression.identity import IdentityCompressor
+
+    keep = [i for i, name in enumerate(names) if name not in exempt]
+    out: list[tuple[Payload, Context] | None] = [None] * len(names)
+    picked = _compress_all(
+        [names[i] for i in keep], [inputs[i] for i in keep], [shared[i] for i in keep], compressor
+    )
+    for i, result in zip(keep, picked, strict=True):
+        out[i] = result
+    identity = IdentityCompressor()
+    for i, name in enumerate(names):
+        if name in exempt:
+            with _naming(name):
+                out[i] = identity.compress(inputs[i])
+    return [r for r in out if r is not None]
 
 
 class _Reader:
