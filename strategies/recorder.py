@@ -143,6 +143,8 @@ class RoundRecorder:
             "count_s": self.grid.count_s,
             "client_s_sum": self.grid.client_s,
         }
+        if self.grid.client_cached_max is not None:
+            record["client_cached_max"] = self.grid.client_cached_max
         if report is not None:
             record.update(
                 {

@@ -7,6 +7,7 @@ through the Flower-free server and worker where the option lives there.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -150,12 +151,10 @@ def test_eval_every_and_eval_samples() -> None:
     assert result["summary"]["final_accuracy"] == accuracies[-1]
 
 
-def test_your_own_model_and_data_through_the_run_config() -> None:
-    cfg = AppConfig(
-        num_server_rounds=2,
-        dataset="tests.support.data:blobs",
-        model="tests.support.models:tiny_bn_cnn",
-    )
+def test_your_own_model_and_data_through_the_run_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The documented example, docs/examples/my_task.py, as the README shows it."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "docs" / "examples"))
+    cfg = AppConfig(num_server_rounds=2, dataset="my_task:blobs", model="my_task:small_bn_cnn")
     result, _, replies = _serve(cfg, nodes=3)
     assert all(r["replicas_equal"] for r in result["rounds"])
     grad = decode_update(_payload(replies[-1]))

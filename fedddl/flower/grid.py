@@ -33,7 +33,7 @@ from flwr.proto.node_pb2 import NodeInfo
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 
-from fedddl.flower.protocol import CLIENT_SECONDS, METRICS
+from fedddl.flower.protocol import CLIENT_CACHED, CLIENT_SECONDS, METRICS
 from fedddl.flower.records import content_nbytes
 
 __all__ = [
@@ -112,6 +112,9 @@ class CountingGrid(DelegatingGrid):
     client_s : float
         Sum of the ``client-s`` metric of the replies (handler seconds reported by clients
         run with ``FEDDDL_CLIENT_TIMING=1``) since :meth:`reset`.
+    client_cached_max : int | None
+        Largest ``client-cached`` metric of the replies (same diagnostics) since
+        :meth:`reset`.
     """
 
     def __init__(self, inner: Grid) -> None:
@@ -127,6 +130,7 @@ class CountingGrid(DelegatingGrid):
         self.exchange_s = 0.0
         self.count_s = 0.0
         self.client_s = 0.0
+        self.client_cached_max: int | None = None
 
     def _count(self, contents: Iterable[RecordDict]) -> int:
         start = time.perf_counter()
@@ -162,6 +166,9 @@ class CountingGrid(DelegatingGrid):
             value = None if metrics is None else metrics.get(CLIENT_SECONDS)
             if isinstance(value, float):
                 self.client_s += value
+            cached = None if metrics is None else metrics.get(CLIENT_CACHED)
+            if isinstance(cached, int):
+                self.client_cached_max = max(cached, self.client_cached_max or 0)
 
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None

@@ -25,7 +25,8 @@ Client → server reply:
   models with BatchNorm layers, ``"statistics"`` → the encoded input statistics of its
   minibatches (:mod:`fedddl.running_stats`).
 * ``"metrics"`` :class:`~flwr.app.MetricRecord`: ``num-examples``, ``loss``,
-  ``model-version`` (and ``client-s``, handler seconds, with ``FEDDDL_CLIENT_TIMING=1``).
+  ``model-version`` (and, with ``FEDDDL_CLIENT_TIMING=1``, the diagnostics ``client-s``,
+  handler seconds, and ``client-cached``, clients whose state the process holds).
 * ``"replica"`` :class:`~flwr.app.ConfigRecord`: ``fingerprint`` (the first
   :data:`~fedddl.sync.messages.FINGERPRINT_BYTES` bytes of the replica's sha256
   fingerprint). A client that cannot catch up sends only ``"metrics"`` with
@@ -95,6 +96,7 @@ LOSS = "loss"
 RESYNC = "resync"
 FINGERPRINT = "fingerprint"
 CLIENT_SECONDS = "client-s"
+CLIENT_CACHED = "client-cached"
 #: The record of a stock FedAvg TRAIN message and reply (model weights).
 FEDAVG_ARRAYS = "arrays"
 
