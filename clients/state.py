@@ -159,12 +159,20 @@ def save_state(state: RecordDict, client: WorkerState, *, key: Hashable | None =
         and client.saved_version + len(client.journal) == replica.version
         and LAYOUT_KEY in state.config_records
     )
-    if not journal_ok:
-        blob, layout = pack_tensors(replica.snapshot(copy=False))
-        state[REPLICA_KEY] = ArrayRecord({BLOB_KEY: blob})
-        state[LAYOUT_KEY] = layout
-        client.saved_version, client.journal = replica.version, []
-    state[JOURNAL_KEY] = ArrayRecord({f"v{v}": bytes_to_array(p) for v, p in client.journal})
+    journal = state.array_records.get(JOURNAL_KEY)
+    if not journal_ok or journal is None:
+        if not journal_ok:
+            blob, layout = pack_tensors(replica.snapshot(copy=False))
+            state[REPLICA_KEY] = ArrayRecord({BLOB_KEY: blob})
+            state[LAYOUT_KEY] = layout
+            client.saved_version, client.journal = replica.version, []
+        journal = state[JOURNAL_KEY] = ArrayRecord()
+    wanted = {f"v{v}": p for v, p in client.journal}
+    for stale in [k for k in journal if k not in wanted]:
+        del journal[stale]
+    for name, payload in wanted.items():  # usually one new update a round
+        if name not in journal:
+            journal[name] = bytes_to_array(payload)
     token = uuid.uuid4().hex
     saved = replica.version if client.saved_version is None else client.saved_version
     meta = ConfigRecord({"version": replica.version, "saved-version": saved, "token": token})

@@ -154,5 +154,13 @@ def test_only_the_deployment_grid_gets_fast_polling() -> None:
     http = HttpGrid(token="not-connected")  # connects lazily: nothing is contacted here
     wrapped = _fast_poll(http)
     assert isinstance(wrapped, FastPollGrid) and wrapped.inner is http
+    from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+
+    from fedddl.flower.grid import SIMULATION_POLL_INTERVAL_S
+
+    memory = InMemoryGrid.__new__(InMemoryGrid)  # the simulation's grid (not connected)
+    polled = _fast_poll(memory)
+    assert isinstance(polled, FastPollGrid) and polled.inner is memory
+    assert polled.poll_interval_s == SIMULATION_POLL_INTERVAL_S
     inline = InlineGrid(make_client_app(_cfg()), 1)
     assert _fast_poll(inline) is inline
