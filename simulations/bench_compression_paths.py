@@ -101,7 +101,8 @@ def main() -> None:
                     sync()
                     best[name] = min(best[name], time.perf_counter() - start)
             rate = {name: 4 * numel / seconds / 1e9 for name, seconds in best.items()}
-            print(f"\n{label}, {codec} ({numel} values): GB/s of fp32 input, best of {args.repeats}")
+            title = f"{label}, {codec} ({numel} values)"
+            print(f"\n{title}: GB/s of fp32 input, best of {args.repeats}")
             for name, _ in cases:
                 print(f"  {name:28s} {rate[name]:8.3f}")
             print(

@@ -62,8 +62,7 @@ def test_one_terngrad_round_on_cuda(codec: str, monkeypatch: pytest.MonkeyPatch)
     data = encode_update(grads, compressor, memory, scales=shared)
     assert copies["to_host"] == 2  # statistics, then every tensor's bytes
     body = sum(
-        packed_size(t.numel(), codec) if t.numel() >= 100 else 4 * t.numel()
-        for t in grads.values()
+        packed_size(t.numel(), codec) if t.numel() >= 100 else 4 * t.numel() for t in grads.values()
     )
     assert body < len(data) < body + 100 * len(grads)  # only bytes and small headers
     # the server decodes on the host; a client decodes onto the GPU: the same values
