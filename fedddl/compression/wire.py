@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from fedddl.compression.base import Compressor
+from fedddl.compression.device_path import to_host, unpack_into, unpacks_on_device
 from fedddl.compression.errors import PayloadError
 from fedddl.compression.memory import Memory
 from fedddl.compression.packing import (
@@ -95,6 +96,8 @@ _DTYPE_OF_CODE = {v: k for k, v in _DTYPE_CODES.items()}
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().contiguous().reshape(-1)
+    if flat.device.type != "cpu":  # e.g. a plug-in compressor's dense payload on a GPU
+        flat = to_host(flat)
     array: Any = flat.view(torch.uint8).numpy()
     return memoryview(array).cast("B")
 
@@ -433,6 +436,8 @@ def decode_update(
         with the same shapes; any supported floating dtype and any device
         (values are cast).  Contiguous float32 CPU tensors are written
         directly, which is about twice as fast as allocating new tensors.
+        Ternary entries for tensors off the CPU cross as packed bytes (one
+        copy per device) and are unpacked there with torch ops.
         On any error none of them has been written.
 
     Returns
@@ -485,6 +490,7 @@ def decode_update(
     # are batched: one threaded pass over all of them, however small each one is.
     result: dict[str, torch.Tensor] = {}
     into_buffers = []
+    on_device: list[tuple[torch.Tensor, int, float, str, torch.Tensor]] = []
     new_items, new_entries = [], []
     for entry, raw in zip(entries, raws, strict=True):
         name, dtype, kind, shape, scale = entry
@@ -497,12 +503,16 @@ def decode_update(
             new_items.append(item)
             new_entries.append(entry)
             result[name] = raw  # placeholder, keeps the message order
+        elif unpacks_on_device(target):  # off the CPU: packed bytes go there, unpacked there
+            on_device.append((*item, target))
+            result[name] = target
         elif _is_direct_target(target, torch.float32):
             into_buffers.append((*item, target.detach().reshape(-1)))
             result[name] = target
         else:
             result[name] = _decode_entry(raw, entry, target)
     unpack_codes_batch(into_buffers)
+    unpack_into(on_device)
     for (name, dtype, _, shape, _), flat in zip(
         new_entries, unpack_codes_new(new_items), strict=True
     ):
