@@ -86,3 +86,28 @@ def test_one_terngrad_round_on_cuda() -> None:
     result = run_server(InlineGrid(make_client_app(cfg), 2), cfg, progress=lambda _: None)
     assert all(r["replicas_equal"] for r in result["rounds"])
     assert result["final_version"] == 2
+
+
+@pytest.mark.filterwarnings("ignore:.*meta:UserWarning")
+def test_broadcast_decodes_into_buffers_on_the_replica_device() -> None:
+    """An ``E`` broadcast (alone or bundled with statistics) decodes into device buffers;
+    on the CPU the values equal a host decode."""
+    from fedddl.compression import get_compressor
+    from fedddl.compression.downlink import (
+        decode_broadcast_parts,
+        encode_bundle,
+        encode_reencoded,
+    )
+
+    grads = {"a": torch.randn(7, 5), "b": torch.randn(3)}
+    payload = encode_reencoded(grads, get_compressor("ternary-base3", seed=2), None)
+    bundled = encode_bundle(payload, statistics={"bn.mean": torch.zeros(2)})
+    for data in (payload, bundled):
+        host, _ = decode_broadcast_parts(data)
+        buffers = {k: torch.empty(v.shape) for k, v in grads.items()}
+        into, stats = decode_broadcast_parts(data, out=buffers)
+        assert all(into[k] is buffers[k] and torch.equal(into[k], host[k]) for k in grads)
+        assert (data is bundled) == bool(stats)
+        meta = {k: torch.empty(v.shape, device="meta") for k, v in grads.items()}
+        on_meta, _ = decode_broadcast_parts(data, out=meta)
+        assert {t.device.type for t in on_meta.values()} == {"meta"}

@@ -218,7 +218,9 @@ def encode_bundle(
     return seal(b"".join(body))
 
 
-def _decode_bundle(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _decode_bundle(
+    data: bytes, out: Mapping[str, torch.Tensor] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     body = unseal(_BUNDLE_WHAT, data, error=PayloadError)
     if len(body) < 2:
         raise PayloadError(f"{_BUNDLE_WHAT} is truncated")
@@ -244,7 +246,7 @@ def _decode_bundle(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, torc
         inner = parts[SECTION_GRADIENT]
         if inner[:1] not in (TAG_ENCODED, TAG_SHARED_SUM):
             raise PayloadError(f"{_BUNDLE_WHAT}: the gradient section must be E or S")
-        update = decode_broadcast(inner)
+        update = _decode_gradient(inner, out)
     if SECTION_DENSE in parts:
         dense = decode_update(parts[SECTION_DENSE])
         overlap = sorted(set(dense) & set(update))
@@ -255,17 +257,33 @@ def _decode_bundle(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, torc
     return update, statistics
 
 
-def decode_broadcast_parts(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _decode_gradient(
+    data: bytes, out: Mapping[str, torch.Tensor] | None
+) -> dict[str, torch.Tensor]:
+    """A ``b"E"`` broadcast decoded into ``out`` when given, else any broadcast."""
+    if out is not None and data[:1] == TAG_ENCODED:
+        decode_update(data[1:], out=out)
+        return dict(out)
+    return decode_broadcast(data)
+
+
+def decode_broadcast_parts(
+    data: bytes, out: Mapping[str, torch.Tensor] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Decode a broadcast of any format into ``(gradient by name, statistics by name)``.
+
+    With ``out`` (one buffer per tensor of the gradient, on any device), a re-encoded
+    (``b"E"``) gradient is decoded into those buffers, on their device, and they are
+    returned; the other formats decode on the host.
 
     Raises
     ------
     PayloadError
-        On an unknown tag or malformed content.
+        On an unknown tag or malformed content (``out`` is then left untouched).
     """
     if data[:1] == TAG_BUNDLE:
-        return _decode_bundle(data)
-    return decode_broadcast(data), {}
+        return _decode_bundle(data, out)
+    return _decode_gradient(data, out), {}
 
 
 def decode_broadcast(data: bytes) -> dict[str, torch.Tensor]:

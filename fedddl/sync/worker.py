@@ -132,18 +132,30 @@ def reach_version(
         state.replica = Replica(model_fn(), cfg.learning_rate, cfg.momentum, version=0)
         state.journal, state.saved_version = [], None
     replica = state.replica
+    buffers = _device_buffers(replica)
     for version, payload in instruction.updates:
         if version <= replica.version:
             continue
         if version != replica.version + 1:
             break
         try:
-            update, statistics = decode_broadcast_parts(payload)
+            update, statistics = decode_broadcast_parts(payload, out=buffers)
             replica.apply_update(update, version, statistics)
         except (PayloadError, ReplicaError):
             break
         state.journal.append((version, payload))
     return replica if replica.version == instruction.model_version else None
+
+
+def _device_buffers(replica: Replica) -> dict[str, torch.Tensor] | None:
+    """Float32 decode buffers on the replica's device when it is not the CPU (else None).
+
+    Broadcasts then decode on the device: only the packed bytes cross from the host.
+    """
+    params = [(n, p) for n, p in replica.model.named_parameters() if p.requires_grad]
+    if not params or params[0][1].device.type == "cpu":
+        return None
+    return {n: torch.empty(p.shape, dtype=torch.float32, device=p.device) for n, p in params}
 
 
 def run_instruction(
