@@ -26,7 +26,7 @@ must be at most :data:`MAX_EXPANSION` times the message size, the frame must
 end exactly at the CRC, and its content must have exactly the declared size.
 The encoder falls back to the plain format when this bound or the size
 would not be met, so ``ternary-entropy`` messages are never larger than
-``ternary-base3`` ones (but for this format's 4 extra bytes).
+``ternary-base3`` ones.
 """
 
 from __future__ import annotations
