@@ -19,8 +19,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:
     args = _parse(
-        ["compression", "--numel", "10001", "--repeats", "1", "--json", "--shapes", "flat"]
-        + ["--gradient-models", "digits:mlp"]
+        [
+            *("compression", "--numel", "10001", "--repeats", "1", "--json"),
+            *("--shapes", "flat", "--gradient-models", "digits:mlp"),
+        ]
     )
     assert bench.run(args) == 0
     report = json.loads(capsys.readouterr().out)

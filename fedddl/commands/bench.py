@@ -67,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="SGD steps on the dataset before the measured gradient (0: random init)",
     )
+    parser.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="let glibc reuse freed large blocks (fedddl.compression.allocator) before "
+        "measuring: no first-touch page faults for new messages and tensors",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
@@ -225,7 +231,8 @@ def _print_report(report: dict[str, Any]) -> None:
         print(
             f"fedddl bench compression: {run['numel']} fp32 values in {run['tensors']} "
             f"tensor(s) ({run['shapes']}), best of {report['repeats']}, "
-            f"{report['torch_threads']} torch threads, compiled kernels: {report['jit']}"
+            f"{report['torch_threads']} torch threads, compiled kernels: {report['jit']}, "
+            f"freed memory kept: {report['keep_freed_memory']}"
         )
         print(
             _table(
@@ -280,12 +287,15 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from fedddl.compression import jit
+    from fedddl.compression.allocator import keep_freed_memory
 
+    kept = keep_freed_memory() if args.keep_freed_memory else False
     shape_sets = SHAPE_SETS if args.shapes == "both" else (args.shapes,)
     report: dict[str, Any] = {
         "repeats": args.repeats,
         "torch_threads": torch.get_num_threads(),
         "jit": jit.available(),
+        "keep_freed_memory": kept,
         "runs": [],
     }
     for shapes in shape_sets:

@@ -26,7 +26,12 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-__all__ = ["pcg64dxsm_words", "ternarize_pack", "unpack_2bit", "unpack_base3"]
+__all__ = [
+    "pcg64dxsm_words",
+    "ternarize_pack",
+    "unpack_2bit",
+    "unpack_base3",
+]
 
 #: The 64-bit multiplier of PCG64DXSM's LCG step and output function (numpy's constant).
 PCG_CHEAP_MULTIPLIER = 0xDA942042E4DD58B5
@@ -48,20 +53,36 @@ def _mulhi(typingctx: Any, a: Any, b: Any) -> Any:
     return signature, codegen
 
 
+@njit(nogil=True, cache=True, inline="always")  # type: ignore[misc]
+def _draw(hi: np.uint64, lo: np.uint64, inc_hi: np.uint64, inc_lo: np.uint64) -> Any:
+    """One PCG64DXSM output and the next state: ``(word, hi, lo)``."""
+    mul = np.uint64(PCG_CHEAP_MULTIPLIER)
+    word = hi ^ (hi >> np.uint64(32))
+    word *= mul
+    word ^= word >> np.uint64(48)
+    word *= lo | np.uint64(1)
+    low = lo * mul
+    new_lo = low + inc_lo
+    carry_in = _mulhi(lo, mul)  # type: ignore[call-arg,var-annotated]
+    new_hi = hi * mul + carry_in + inc_hi + np.uint64(new_lo < low)
+    return word, new_hi, new_lo
+
+
+@njit(nogil=True, cache=True, inline="always")  # type: ignore[misc]
+def _store(rand: np.ndarray, at: int, word: np.uint64) -> None:
+    """The word's four 16-bit values, least significant first (numpy's ``view(uint16)``)."""
+    rand[at] = np.uint16(word & np.uint64(0xFFFF))
+    rand[at + 1] = np.uint16((word >> np.uint64(16)) & np.uint64(0xFFFF))
+    rand[at + 2] = np.uint16((word >> np.uint64(32)) & np.uint64(0xFFFF))
+    rand[at + 3] = np.uint16(word >> np.uint64(48))
+
+
 @njit(nogil=True, cache=True)  # type: ignore[misc]
 def pcg64dxsm_words(state: np.ndarray, out: np.ndarray) -> None:
     """Fill ``out`` (uint64) with the next words of the stream; advance ``state``."""
-    mul = np.uint64(PCG_CHEAP_MULTIPLIER)
     hi, lo, inc_hi, inc_lo = state[0], state[1], state[2], state[3]
     for w in range(out.size):
-        word = hi ^ (hi >> np.uint64(32))
-        word *= mul
-        word ^= word >> np.uint64(48)
-        out[w] = word * (lo | np.uint64(1))
-        low = lo * mul
-        new_lo = low + inc_lo
-        hi = hi * mul + _mulhi(lo, mul) + inc_hi + np.uint64(new_lo < low)
-        lo = new_lo
+        out[w], hi, lo = _draw(hi, lo, inc_hi, inc_lo)
     state[0], state[1] = hi, lo
 
 
@@ -83,36 +104,31 @@ def ternarize_pack(
     """
     n = values.size
     bits = values.view(np.uint32)
-    mul = np.uint64(PCG_CHEAP_MULTIPLIER)
     hi, lo, inc_hi, inc_lo = state[0], state[1], state[2], state[3]
-    words = np.empty(_BLOCK // 4, dtype=np.uint64)
-    rand = words.view(np.uint16)
+    rand = np.empty(_BLOCK, dtype=np.uint16)
     codes = np.zeros(_BLOCK, dtype=np.uint8)
     half = np.float32(0.5)
     per = 5 if base3 else 4
     for start in range(0, n, _BLOCK):
         size = min(_BLOCK, n - start)
         for w in range((size + 3) // 4):
-            word = hi ^ (hi >> np.uint64(32))
-            word *= mul
-            word ^= word >> np.uint64(48)
-            words[w] = word * (lo | np.uint64(1))
-            low = lo * mul
-            new_lo = low + inc_lo
-            hi = hi * mul + _mulhi(lo, mul) + inc_hi + np.uint64(new_lo < low)
-            lo = new_lo
+            word, hi, lo = _draw(hi, lo, inc_hi, inc_lo)
+            _store(rand, 4 * w, word)
+        chunk = values[start : start + size]
+        signs = bits[start : start + size]
         for i in range(size):
-            level = min(abs(values[start + i]) * factor, limit) - half
+            level = min(abs(chunk[i]) * factor, limit) - half
             fire = np.uint8(np.float32(rand[i]) < level)
-            codes[i] = fire + (fire & np.uint8(bits[start + i] >> np.uint32(31)))
+            codes[i] = fire + (fire & np.uint8(signs[i] >> np.uint32(31)))
         nbytes = (size + per - 1) // per
         for i in range(size, nbytes * per):
             codes[i] = 0
         first = start // per
+        target = out[first : first + nbytes]
         if base3:
             for j in range(nbytes):
                 k = 5 * j
-                out[first + j] = (
+                target[j] = (
                     codes[k]
                     + np.uint8(3) * codes[k + 1]
                     + np.uint8(9) * codes[k + 2]
@@ -122,7 +138,7 @@ def ternarize_pack(
         else:
             for j in range(nbytes):
                 k = 4 * j
-                out[first + j] = (
+                target[j] = (
                     codes[k]
                     | (codes[k + 1] << np.uint8(2))
                     | (codes[k + 2] << np.uint8(4))

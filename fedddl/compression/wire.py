@@ -42,7 +42,6 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import torch
 
 from fedddl.compression.base import Compressor
@@ -57,6 +56,7 @@ from fedddl.compression.packing import (
     unpack_codes_batch,
     unpack_codes_new,
 )
+from fedddl.compression.parallel import copy_bytes
 from fedddl.compression.payload import (
     Context,
     DensePayload,
@@ -374,9 +374,10 @@ def _decode_entry(
     numel = math.prod(shape)
     if kind == _KIND_DENSE:
         if target is not None and _is_direct_target(target, dtype):
-            np.copyto(target.detach().reshape(-1).view(torch.uint8).numpy(), raw.numpy())
+            copy_bytes(target.detach().reshape(-1).view(torch.uint8).numpy(), raw.numpy())
             return target
-        values = raw.clone().view(dtype).reshape(shape)
+        values = torch.empty(shape, dtype=dtype)
+        copy_bytes(values.reshape(-1).view(torch.uint8).numpy(), raw.numpy())
     else:
         codec = _CODEC_OF_KIND[kind]
         values = unpack_codes(raw, numel, scale, codec).to(dtype).reshape(shape)
