@@ -53,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "CIFAR ResNet-18 (11.2 M values); both (default): one after the other, in one run",
     )
     parser.add_argument("--repeats", type=int, default=5, help="timed runs; the best is kept")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads, used by torch and by our kernels alike (0: torch's default)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of data and compressors")
     parser.add_argument("--no-gradients", action="store_true", help="skip the real-gradient sizes")
     parser.add_argument(
@@ -276,8 +282,8 @@ def _print_report(report: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark of ``args.target``."""
-    if args.numel < 1 or args.repeats < 1 or args.gradient_steps < 0:
-        print("--numel and --repeats must be at least 1, --gradient-steps at least 0")
+    if args.numel < 1 or args.repeats < 1 or args.gradient_steps < 0 or args.threads < 0:
+        print("--numel and --repeats must be at least 1, --gradient-steps and --threads at least 0")
         return 2
     try:
         models = parse_models(args.gradient_models)
@@ -290,6 +296,8 @@ def run(args: argparse.Namespace) -> int:
     from fedddl.compression.allocator import keep_freed_memory
 
     kept = keep_freed_memory() if args.keep_freed_memory else False
+    if args.threads:
+        torch.set_num_threads(args.threads)
     shape_sets = SHAPE_SETS if args.shapes == "both" else (args.shapes,)
     report: dict[str, Any] = {
         "repeats": args.repeats,
