@@ -63,8 +63,8 @@ def _all_finite(values: torch.Tensor) -> bool:
     (NaN propagates through both).
     """
     flat = values.reshape(-1)
-    if flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.float64):
-        if math.isfinite(float(np.einsum("i->", flat.numpy()))):
-            return True
+    summable = flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.float64)
+    if summable and math.isfinite(float(np.einsum("i->", flat.numpy()))):
+        return True
     low, high = torch.aminmax(flat)
     return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
