@@ -87,9 +87,9 @@ def crc32_of(parts: Iterable[BytesLike], start: int = 0) -> int:
 
 
 def check_crc(what: str, data: BytesLike, expected: int, *, error: type[Exception]) -> None:
-    """Raise ``error`` (``"<what>: CRC mismatch ..."``) if ``crc32(data) != expected``."""
+    """Raise ``error`` (``"<what>: checksum mismatch ..."``) unless the CRC-32 matches."""
     if crc32(data) != expected:
-        raise error(f"{what}: CRC mismatch (checksum failed): the data is corrupted")
+        raise error(f"{what}: checksum mismatch (CRC-32): the data is corrupted")
 
 
 def seal(body: bytes) -> bytes:

@@ -23,7 +23,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dirichlet-alpha", type=float, default=0.5)
     parser.add_argument("--dataset", default="digits")
     parser.add_argument("--data-root", default="")
-    parser.add_argument("--arch", default="", help="mlp | cnn | resnet18 (default: per dataset)")
+    parser.add_argument(
+        "--arch",
+        default="",
+        help="mlp | cnn | resnet8 | resnet20 | resnet18 (default: the dataset's own)",
+    )
+    parser.add_argument(
+        "--model",
+        default="",
+        help="your own model, package.module:factory(input_shape, num_classes) (default: none)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu | cuda | cuda:N | auto (CUDA when present) (default: cpu)",
+    )
+    parser.add_argument(
+        "--gpus-per-client",
+        type=float,
+        default=None,
+        help="Ray GPU share per client (default: 0 on the CPU, 1/num-clients on CUDA)",
+    )
     parser.add_argument("--num-clients", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
@@ -40,6 +60,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clip-sigma", type=float, default=2.5)
     parser.add_argument(
         "--error-feedback", action="store_true", help="client-side residual memory for the uplink"
+    )
+    parser.add_argument(
+        "--fp32-min-numel",
+        type=int,
+        default=0,
+        help="parameters with fewer elements travel in fp32 (default: 0, none)",
+    )
+    parser.add_argument(
+        "--fp32-logits",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the last Linear layer's parameters travel in fp32 (default: on)",
+    )
+    parser.add_argument(
+        "--fp32-warmup-rounds",
+        type=int,
+        default=0,
+        help="first rounds send everything in fp32 (default: 0)",
+    )
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=1,
+        help="evaluate every N rounds, and the last (default: 1)",
+    )
+    parser.add_argument(
+        "--eval-samples",
+        type=int,
+        default=0,
+        help="evaluate on this many test examples, a seeded subset (default: 0, all)",
     )
     parser.add_argument("--fraction-train", type=float, default=1.0)
     parser.add_argument("--update-log-size", type=int, default=8)
@@ -68,6 +118,13 @@ def run(args: argparse.Namespace) -> int:
             dataset=args.dataset,
             data_root=args.data_root,
             arch=args.arch,
+            model=args.model,
+            device=args.device,
+            fp32_min_numel=args.fp32_min_numel,
+            fp32_logits=args.fp32_logits,
+            fp32_warmup_rounds=args.fp32_warmup_rounds,
+            eval_every=args.eval_every,
+            eval_samples=args.eval_samples,
             partition=args.partition,
             dirichlet_alpha=args.dirichlet_alpha,
             seed=args.seed,
@@ -92,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         cfg,
         num_clients=args.num_clients,
         num_cpus_per_client=args.cpus_per_client,
+        num_gpus_per_client=args.gpus_per_client,
         out=args.out or None,
         progress=None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True)),
     )

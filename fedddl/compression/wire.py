@@ -38,13 +38,14 @@ import math
 import struct
 import warnings
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from fedddl.compression.base import Compressor
+from fedddl.compression.device_path import to_host, unpack_into, unpacks_on_device
 from fedddl.compression.entropy import MAGIC as ENTROPY_MAGIC
 from fedddl.compression.entropy import open_entropy_coded, seal_entropy_coded
 from fedddl.compression.errors import PayloadError
@@ -102,6 +103,8 @@ _DTYPE_OF_CODE = {v: k for k, v in _DTYPE_CODES.items()}
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().contiguous().reshape(-1)
+    if flat.device.type != "cpu":  # e.g. a plug-in compressor's dense payload on a GPU
+        flat = to_host(flat)
     array: Any = flat.view(torch.uint8).numpy()
     return memoryview(array).cast("B")
 
@@ -157,6 +160,7 @@ def encode_update(
     *,
     scales: Mapping[str, float] | None = None,
     clamp: bool = False,
+    dense: Collection[str] = (),
 ) -> bytes:
     """Compress and serialise ``named_tensors`` into one message.
 
@@ -176,6 +180,10 @@ def encode_update(
         With ``scales``: clamp each compensated tensor to ``[-scale, scale]`` before
         compressing it (scaler sharing with scales agreed in an earlier round, which may
         lie below this tensor's own). The memory then keeps what the clamp cut off too.
+
+    dense:
+        Names of tensors sent in fp32 (their own dtype) instead of through ``compressor``
+        (TernGrad's exemptions: small tensors, the logits layer).
 
     The order is fixed here, in one place: compensate, clamp, compress, update the
     memory, serialise.
@@ -211,13 +219,11 @@ def encode_update(
         inputs = [
             t if s is None else t.clamp(-s, s) for t, s in zip(compensated, shared, strict=True)
         ]
-    try:  # one pass over all tensors (threaded), or one by one to name the bad tensor
-        compressed = compressor.compress_batch(inputs, shared)
-    except (ValueError, TypeError):
-        compressed = []
-        for name, tensor, scale in zip(names, inputs, shared, strict=True):
-            with _naming(name):
-                compressed.append(compressor.compress(tensor, scale=scale))
+    exempt = set(dense) & set(names)
+    if exempt:
+        compressed = _compress_split(names, inputs, shared, compressor, exempt)
+    else:
+        compressed = _compress_all(names, inputs, shared, compressor)
     headers: list[bytes] = []
     data: list[memoryview] = []
     pending: list[tuple[str, torch.Tensor, Payload, Context]] = []
@@ -244,6 +250,47 @@ def encode_update(
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(headers), total)
     crc = crc32_of(data, crc32_of(headers, zlib.crc32(prefix)))
     return b"".join([prefix, *headers, *data, _CRC.pack(crc)])
+
+
+def _compress_all(
+    names: list[str],
+    inputs: list[torch.Tensor],
+    shared: list[float | None],
+    compressor: Compressor,
+) -> list[tuple[Payload, Context]]:
+    try:  # one pass over all tensors (threaded), or one by one to name the bad tensor
+        return compressor.compress_batch(inputs, shared)
+    except (ValueError, TypeError):
+        compressed = []
+        for name, tensor, scale in zip(names, inputs, shared, strict=True):
+            with _naming(name):
+                compressed.append(compressor.compress(tensor, scale=scale))
+        return compressed
+
+
+def _compress_split(
+    names: list[str],
+    inputs: list[torch.Tensor],
+    shared: list[float | None],
+    compressor: Compressor,
+    exempt: set[str],
+) -> list[tuple[Payload, Context]]:
+    """``compressor`` on the tensors not in ``exempt``, the identity on those in it."""
+    from fedddl.compression.identity import IdentityCompressor
+
+    keep = [i for i, name in enumerate(names) if name not in exempt]
+    out: list[tuple[Payload, Context] | None] = [None] * len(names)
+    picked = _compress_all(
+        [names[i] for i in keep], [inputs[i] for i in keep], [shared[i] for i in keep], compressor
+    )
+    for i, result in zip(keep, picked, strict=True):
+        out[i] = result
+    identity = IdentityCompressor()
+    for i, name in enumerate(names):
+        if name in exempt:
+            with _naming(name):
+                out[i] = identity.compress(inputs[i])
+    return [r for r in out if r is not None]
 
 
 class _Reader:
@@ -405,6 +452,8 @@ def decode_update(
         with the same shapes; any supported floating dtype and any device
         (values are cast).  Contiguous float32 CPU tensors are written
         directly, which is about twice as fast as allocating new tensors.
+        Ternary entries for tensors off the CPU cross as packed bytes (one
+        copy per device) and are unpacked there with torch ops.
         On any error none of them has been written.
 
     Returns
@@ -475,6 +524,7 @@ def _decode_body(
     # are batched: one threaded pass over all of them, however small each one is.
     result: dict[str, torch.Tensor] = {}
     into_buffers = []
+    on_device: list[tuple[torch.Tensor, int, float, str, torch.Tensor]] = []
     new_items, new_entries = [], []
     for entry, raw in zip(entries, raws, strict=True):
         name, dtype, kind, shape, scale = entry
@@ -487,12 +537,16 @@ def _decode_body(
             new_items.append(item)
             new_entries.append(entry)
             result[name] = raw  # placeholder, keeps the message order
+        elif unpacks_on_device(target):  # off the CPU: packed bytes go there, unpacked there
+            on_device.append((*item, target))
+            result[name] = target
         elif _is_direct_target(target, torch.float32):
             into_buffers.append((*item, target.detach().reshape(-1)))
             result[name] = target
         else:
             result[name] = _decode_entry(raw, entry, target)
     unpack_codes_batch(into_buffers)
+    unpack_into(on_device)
     for (name, dtype, _, shape, _), flat in zip(
         new_entries, unpack_codes_new(new_items), strict=True
     ):
