@@ -29,7 +29,8 @@ def test_same_trajectory_as_base3_with_smaller_messages(downlink: str) -> None:
     base3, base3_sizes, _ = _run("ternary-base3", downlink)
     coded, coded_sizes, downlinks = _run("ternary-entropy", downlink)
     assert coded == base3  # bit-identical replicas after the same rounds
-    assert sum(coded_sizes) < 0.8 * sum(base3_sizes)
+    # the logits layer travels in fp32 (an exemption): only the ternary part shrinks
+    assert sum(coded_sizes) < 0.9 * sum(base3_sizes)
     assert all(c <= b for c, b in zip(coded_sizes, base3_sizes, strict=True))
     if downlink == "reternarize":  # the re-encoded broadcast is entropy-coded too
         assert any(entropy_format.MAGIC in message[:5] for message in downlinks)

@@ -77,6 +77,15 @@ def test_random_bytes(data: bytes) -> None:
     assert _decode_or_payload_error(data) is None
 
 
+def test_an_empty_shape_whose_strides_overflow_is_a_payload_error() -> None:
+    # found by the fuzzer below: 0 values, but the other dimensions' product overflows int64
+    dims = [0, 233, 109206, 362_482_718_091]
+    entry = struct.pack("<H", 1) + b"x" + bytes([1, 1, len(dims)])
+    entry += struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<f", 1.0)
+    body = b"FDTQ" + bytes([1, 0]) + struct.pack("<IQ", 1, 0) + entry
+    assert _decode_or_payload_error(_reseal(body)) is None
+
+
 @_SETTINGS
 @given(
     st.lists(st.integers(0, 2**64 - 1), min_size=0, max_size=4),

@@ -87,6 +87,7 @@ MAX_NDIM = 16
 MAX_DIM = 1 << 48  # torch shapes are int64; no real tensor comes near this
 
 _PREFIX = struct.Struct("<4sBBIQ")
+_MAX_SPAN = 1 << 62  # product of the non-zero dimensions (even of an empty tensor)
 _COUNT = struct.Struct("<I")  # the tensor count that opens an entropy-coded body
 _MIN_ENTRY = 2 + 3  # empty name, dtype, kind, ndim
 _KIND_DENSE, _KIND_2BIT, _KIND_BASE3 = 0, 1, 2
@@ -365,6 +366,8 @@ def _parse_entries(
         shape = tuple(reader.unpack(f"<{ndim}Q", f"shape of {name!r}"))
         if any(dim > MAX_DIM for dim in shape):
             raise PayloadError(f"tensor {name!r}: a dimension of {shape} exceeds {MAX_DIM}")
+        if math.prod(dim for dim in shape if dim) > _MAX_SPAN:  # torch's strides fit int64
+            raise PayloadError(f"tensor {name!r}: shape {shape} spans more than 2**62 values")
         scale = 0.0
         if kind != _KIND_DENSE:
             (raw_scale,) = reader.unpack("<f", f"scale of {name!r}")
