@@ -29,7 +29,7 @@ from fedddl.compression.ternarize import (
     ternarize_stochastic_batch,
 )
 
-__all__ = ["TernaryCompressor"]
+__all__ = ["TernaryCompressor", "TernaryEntropyCompressor"]
 
 
 def _as_float32_scale(value: float) -> float:
@@ -271,3 +271,31 @@ class TernaryCompressor(Compressor):
         if used < local:
             raise ValueError(f"shared scale {scale} is below this tensor's local scale {local}")
         return used
+
+
+class TernaryEntropyCompressor(TernaryCompressor):
+    """``ternary-base3`` codes, with each whole message entropy-coded by zstd.
+
+    The codes (hence the decoded values) are exactly those of
+    ``TernaryCompressor(codec="base3")`` with the same arguments; only the
+    message is smaller: :func:`~fedddl.compression.encode_update` compresses
+    the message's body (:mod:`fedddl.compression.entropy`) and sends the plain
+    base-3 message instead whenever that would not be smaller.
+    """
+
+    name = "ternary-entropy"
+    entropy_coding = "zstd"
+
+    def __init__(
+        self,
+        clip_sigma: float | None = 2.5,
+        seed: int = 0,
+        deterministic: bool = False,
+        threshold: float = 0.5,
+        min_numel: int = 0,
+    ) -> None:
+        super().__init__(clip_sigma, seed, deterministic, threshold, min_numel, codec="base3")
+        self.name = "ternary-entropy"
+
+    def __repr__(self) -> str:
+        return super().__repr__().replace("TernaryCompressor(", "TernaryEntropyCompressor(", 1)

@@ -21,6 +21,10 @@ Byte layout (version 1, all integers little-endian)::
                   (code layout: :mod:`fedddl.compression.packing`)
     end-4   4     u32 zlib.crc32 of every preceding byte
 
+A compressor whose ``entropy_coding`` is ``"zstd"`` (``ternary-entropy``) gets the
+same count, entries and data zstd-coded in an ``FDTE`` message when that is
+smaller (:mod:`fedddl.compression.entropy`); :func:`decode_update` reads both.
+
 A ternary entry decodes to ``s * code`` computed in float32, then cast to
 ``dtype``; a dense entry to its raw values.  Data sizes follow from the header
 alone and must add up to exactly the bytes present, which is checked before
@@ -38,11 +42,12 @@ from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import torch
 
 from fedddl.compression.base import Compressor
 from fedddl.compression.device_path import to_host, unpack_into, unpacks_on_device
+from fedddl.compression.entropy import MAGIC as ENTROPY_MAGIC
+from fedddl.compression.entropy import open_entropy_coded, seal_entropy_coded
 from fedddl.compression.errors import PayloadError
 from fedddl.compression.memory import Memory
 from fedddl.compression.packing import (
@@ -52,6 +57,7 @@ from fedddl.compression.packing import (
     unpack_codes_batch,
     unpack_codes_new,
 )
+from fedddl.compression.parallel import copy_bytes
 from fedddl.compression.payload import (
     Context,
     DensePayload,
@@ -81,6 +87,8 @@ MAX_NDIM = 16
 MAX_DIM = 1 << 48  # torch shapes are int64; no real tensor comes near this
 
 _PREFIX = struct.Struct("<4sBBIQ")
+_MAX_SPAN = 1 << 62  # product of the non-zero dimensions (even of an empty tensor)
+_COUNT = struct.Struct("<I")  # the tensor count that opens an entropy-coded body
 _MIN_ENTRY = 2 + 3  # empty name, dtype, kind, ndim
 _KIND_DENSE, _KIND_2BIT, _KIND_BASE3 = 0, 1, 2
 _KIND_OF_CODEC = {"2bit": _KIND_2BIT, "base3": _KIND_BASE3}
@@ -234,6 +242,12 @@ def encode_update(
             memory.update(name, tensor, decompressed)
     body_length = sum(len(h) for h in headers) + sum(d.nbytes for d in data)
     total = _PREFIX.size + body_length + _CRC.size
+    if compressor.entropy_coding == "zstd":
+        coded = seal_entropy_coded([_COUNT.pack(len(headers)), *headers, *data], total)
+        if coded is not None:
+            return coded
+    elif compressor.entropy_coding:
+        raise ValueError(f"unknown entropy coding {compressor.entropy_coding!r}")
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(headers), total)
     crc = crc32_of(data, crc32_of(headers, zlib.crc32(prefix)))
     return b"".join([prefix, *headers, *data, _CRC.pack(crc)])
@@ -317,16 +331,18 @@ def _check_prefix(view: memoryview) -> int:
     check_crc("compressed update", view[: total - _CRC.size], crc, error=PayloadError)
     if flags != 0:
         raise PayloadError(f"unknown flags {flags:#x}")
-    if count > MAX_TENSORS or count * _MIN_ENTRY > total - _PREFIX.size - _CRC.size:
-        raise PayloadError(f"implausible tensor count {count}")
     return int(count)
 
 
+def _check_count(count: int, body_size: int) -> None:
+    if count > MAX_TENSORS or count * _MIN_ENTRY > body_size:
+        raise PayloadError(f"implausible tensor count {count}")
+
+
 def _parse_entries(
-    view: memoryview, count: int
+    view: memoryview, count: int, start: int, end: int
 ) -> tuple[list[tuple[str, torch.dtype, int, tuple[int, ...], float]], int]:
-    end = len(view) - _CRC.size
-    reader = _Reader(view, _PREFIX.size, end)
+    reader = _Reader(view, start, end)
     entries = []
     seen: set[str] = set()
     for index in range(count):
@@ -350,6 +366,8 @@ def _parse_entries(
         shape = tuple(reader.unpack(f"<{ndim}Q", f"shape of {name!r}"))
         if any(dim > MAX_DIM for dim in shape):
             raise PayloadError(f"tensor {name!r}: a dimension of {shape} exceeds {MAX_DIM}")
+        if math.prod(dim for dim in shape if dim) > _MAX_SPAN:  # torch's strides fit int64
+            raise PayloadError(f"tensor {name!r}: shape {shape} spans more than 2**62 values")
         scale = 0.0
         if kind != _KIND_DENSE:
             (raw_scale,) = reader.unpack("<f", f"scale of {name!r}")
@@ -406,9 +424,10 @@ def _decode_entry(
     numel = math.prod(shape)
     if kind == _KIND_DENSE:
         if target is not None and _is_direct_target(target, dtype):
-            np.copyto(target.detach().reshape(-1).view(torch.uint8).numpy(), raw.numpy())
+            copy_bytes(target.detach().reshape(-1).view(torch.uint8).numpy(), raw.numpy())
             return target
-        values = raw.clone().view(dtype).reshape(shape)
+        values = torch.empty(shape, dtype=dtype)
+        copy_bytes(values.reshape(-1).view(torch.uint8).numpy(), raw.numpy())
     else:
         codec = _CODEC_OF_KIND[kind]
         values = unpack_codes(raw, numel, scale, codec).to(dtype).reshape(shape)
@@ -459,10 +478,28 @@ def decode_update(
         view = memoryview(data).cast("B")
     except TypeError as error:
         raise PayloadError(f"data is not a flat byte buffer: {error}") from None
+    if bytes(view[: len(ENTROPY_MAGIC)]) == ENTROPY_MAGIC:
+        body = open_entropy_coded(view)
+        if len(body) < _COUNT.size:
+            raise PayloadError(f"entropy-coded body of {len(body)} bytes has no tensor count")
+        (count,) = _COUNT.unpack_from(body)
+        return _decode_body(body, count, _COUNT.size, len(body), out)
     count = _check_prefix(view)
-    entries, data_start = _parse_entries(view, count)
+    return _decode_body(view, count, _PREFIX.size, len(view) - _CRC.size, out)
+
+
+def _decode_body(
+    view: memoryview,
+    count: int,
+    start: int,
+    end: int,
+    out: Mapping[str, torch.Tensor] | None,
+) -> dict[str, torch.Tensor]:
+    """Decode the ``count`` entries at ``view[start:end]`` and their data (CRC checked)."""
+    _check_count(count, end - start)
+    entries, data_start = _parse_entries(view, count, start, end)
     sizes = [_data_size(dtype, kind, math.prod(shape)) for _, dtype, kind, shape, _ in entries]
-    available = len(view) - _CRC.size - data_start
+    available = end - data_start
     if sum(sizes) != available:
         raise PayloadError(
             f"declared shapes need {sum(sizes)} data bytes but {available} are present"
