@@ -29,7 +29,7 @@ class HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         if (
-            "%(default)" in text
+            "default" in text.lower()
             or not action.option_strings
             or action.nargs == 0
             or action.default in (None, "", argparse.SUPPRESS)

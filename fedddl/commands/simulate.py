@@ -40,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="dataset directory (default: $FEDDDL_DATA or the dataset's standard place)",
     )
     parser.add_argument(
-        "--arch", default="", help="mlp | cnn | resnet18 (default: the dataset's default model)"
+        "--arch",
+        default="",
+        help="mlp | cnn | resnet8 | resnet20 | resnet18 (default: the dataset's own)",
     )
     parser.add_argument("--num-clients", type=int, default=10, help="simulated clients")
     parser.add_argument("--rounds", type=int, default=100, help="server rounds")
@@ -52,6 +54,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, in [0, 1)")
     parser.add_argument(
         "--batch-size", type=int, default=32, help="samples per minibatch per client"
+    )
+    parser.add_argument(
+        "--model",
+        default="",
+        help="your own model, package.module:factory(input_shape, num_classes) (default: none)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu | cuda | cuda:N | auto (CUDA when present) (default: cpu)",
+    )
+    parser.add_argument(
+        "--gpus-per-client",
+        type=float,
+        default=None,
+        help="Ray GPU share per client (default: 0 on the CPU, 1/num-clients on CUDA)",
     )
     parser.add_argument(
         "--compressor", default="ternary-base3", help="registered uplink compressor name (TernGrad)"
@@ -70,6 +88,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--error-feedback", action="store_true", help="client-side residual memory for the uplink"
+    )
+    parser.add_argument(
+        "--fp32-min-numel",
+        type=int,
+        default=0,
+        help="parameters with fewer elements travel in fp32 (default: 0, none)",
+    )
+    parser.add_argument(
+        "--fp32-logits",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the last Linear layer's parameters travel in fp32 (default: on)",
+    )
+    parser.add_argument(
+        "--fp32-warmup-rounds",
+        type=int,
+        default=0,
+        help="first rounds send everything in fp32, in rounds (default: 0)",
+    )
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=1,
+        help="evaluate every N rounds, and the last (default: 1)",
+    )
+    parser.add_argument(
+        "--eval-samples",
+        type=int,
+        default=0,
+        help="evaluate on this many test examples, a seeded subset (default: 0, all)",
     )
     parser.add_argument(
         "--fraction-train",
@@ -120,6 +168,13 @@ def run(args: argparse.Namespace) -> int:
             dataset=args.dataset,
             data_root=args.data_root,
             arch=args.arch,
+            model=args.model,
+            device=args.device,
+            fp32_min_numel=args.fp32_min_numel,
+            fp32_logits=args.fp32_logits,
+            fp32_warmup_rounds=args.fp32_warmup_rounds,
+            eval_every=args.eval_every,
+            eval_samples=args.eval_samples,
             partition=args.partition,
             dirichlet_alpha=args.dirichlet_alpha,
             seed=args.seed,
@@ -152,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
             cfg,
             num_clients=args.num_clients,
             num_cpus_per_client=args.cpus_per_client,
+            num_gpus_per_client=args.gpus_per_client,
             out=args.out or None,
             progress=progress,
         )
