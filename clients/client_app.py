@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-from flwr.app import Context, Message
+from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp import ClientApp
 
 from clients.fedavg_client import handle_fedavg_evaluate, handle_fedavg_train
@@ -52,7 +52,7 @@ def handle_train(message: Message, context: Context, cfg: AppConfig) -> Message:
 def _dispatch(message: Message, context: Context, cfg: AppConfig) -> Message:
     if is_localized_train(message.content):
         return handle_localized_train(message, context, cfg)
-    if FEDAVG_ARRAYS in message.content.array_records:
+    if isinstance(message.content.get(FEDAVG_ARRAYS), ArrayRecord):
         return handle_fedavg_train(message, context, cfg)
     raise ValueError(
         "train message is neither the localized protocol (config.model-version) "

@@ -40,6 +40,7 @@ from fedddl.flower.records import (
     array_to_bytes,
     bytes_to_array,
     pack_tensors,
+    record_of,
     record_to_tensors,
     tensors_to_record,
     unpack_tensors,
@@ -88,11 +89,12 @@ def load_state(
     ValueError
         If the records are malformed.
     """
-    meta = state.config_records.get(META_KEY)
-    residual = state.array_records.get(RESIDUAL_KEY)
+    meta = record_of(state, META_KEY, ConfigRecord)
+    residual = record_of(state, RESIDUAL_KEY, ArrayRecord)
     residuals = record_to_tensors(residual) if residual is not None else {}
-    layout = state.config_records.get(LAYOUT_KEY)
-    if meta is None or layout is None or REPLICA_KEY not in state.array_records:
+    layout = record_of(state, LAYOUT_KEY, ConfigRecord)
+    snapshot = record_of(state, REPLICA_KEY, ArrayRecord)
+    if meta is None or layout is None or snapshot is None:
         return WorkerState(None, None, ResidualMemory(residuals))
     version, saved, token = meta.get("version"), meta.get("saved-version"), meta.get("token")
     if not isinstance(version, int) or not isinstance(saved, int) or not 0 <= saved <= version:
@@ -108,11 +110,11 @@ def load_state(
         ):
             return cached
     replica = Replica(model_fn(), learning_rate, momentum, version=0)
-    blob = state.array_records[REPLICA_KEY].get(BLOB_KEY)
+    blob = snapshot.get(BLOB_KEY)
     if blob is None:
         raise ValueError("context.state replica record has no 'blob' Array")
     replica.load_snapshot(unpack_tensors(blob, layout), saved)
-    journal = _replay(replica, state.array_records.get(JOURNAL_KEY))
+    journal = _replay(replica, record_of(state, JOURNAL_KEY, ArrayRecord))
     compressor = meta.get("compressor")
     name = compressor if isinstance(compressor, str) else None
     return WorkerState(replica, name, ResidualMemory(residuals), journal, saved)
@@ -157,9 +159,9 @@ def save_state(state: RecordDict, client: WorkerState, *, key: Hashable | None =
         client.saved_version is not None
         and len(client.journal) <= JOURNAL_LIMIT
         and client.saved_version + len(client.journal) == replica.version
-        and LAYOUT_KEY in state.config_records
+        and record_of(state, LAYOUT_KEY, ConfigRecord) is not None
     )
-    journal = state.array_records.get(JOURNAL_KEY)
+    journal = record_of(state, JOURNAL_KEY, ArrayRecord)
     if not journal_ok or journal is None:
         if not journal_ok:
             blob, layout = pack_tensors(replica.snapshot(copy=False))

@@ -44,7 +44,7 @@ from fedddl.running_stats import (
     batchnorm_layers,
     check_statistics,
 )
-from fedddl.training import check_parameter_tensors
+from fedddl.training import check_parameter_tensors, check_tensors_like
 
 __all__ = [
     "CatchUp",
@@ -104,6 +104,7 @@ class Replica:
         self.optimizer = torch.optim.SGD(
             list(self._params.values()), lr=learning_rate, momentum=momentum, foreach=False
         )
+        self._has_batchnorm = bool(batchnorm_layers(model))
 
     # ------------------------------------------------------------------ updates
     def apply_update(
@@ -134,8 +135,8 @@ class Replica:
             raise ReplicaError(
                 f"update produces version {version} but the replica is at {self.version}"
             )
-        check_update(self.model, update)
-        if statistics or batchnorm_layers(self.model):
+        check_tensors_like(self._params, update, what="update", finite=True, error=ReplicaError)
+        if statistics or self._has_batchnorm:
             try:
                 check_statistics(self.model, statistics or {})
             except StatisticsError as err:

@@ -15,6 +15,7 @@ from torch.nn import functional
 
 __all__ = [
     "check_parameter_tensors",
+    "check_tensors_like",
     "compute_gradients",
     "evaluate",
     "iterate_minibatches",
@@ -113,7 +114,22 @@ def check_parameter_tensors(
         Naming the missing or unexpected names, a shape mismatch, a non-float dtype or
         non-finite values.
     """
-    params = _trainable(model)
+    check_tensors_like(_trainable(model), tensors, what=what, finite=finite, error=error)
+
+
+def check_tensors_like(
+    params: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    what: str = "gradient",
+    finite: bool = False,
+    error: type[Exception] = ValueError,
+) -> None:
+    """:func:`check_parameter_tensors` against an explicit name → parameter mapping.
+
+    For callers that keep their model's trainable parameters (a replica checks every
+    update it applies and need not walk the module tree each time).
+    """
     missing = sorted(set(params) - set(tensors))
     unknown = sorted(set(tensors) - set(params))
     if missing or unknown:

@@ -47,6 +47,7 @@ from fedddl.flower.records import (
     array_to_floats,
     bytes_to_array,
     floats_to_array,
+    record_of,
     record_to_tensors,
     tensors_to_record,
 )
@@ -103,7 +104,7 @@ FEDAVG_ARRAYS = "arrays"
 
 def is_localized_train(content: RecordDict) -> bool:
     """Whether a TRAIN message belongs to this protocol (else it may be FedAvg)."""
-    config = content.config_records.get(CONFIG)
+    config = record_of(content, CONFIG, ConfigRecord)
     return config is not None and MODEL_VERSION in config
 
 
@@ -145,13 +146,13 @@ def parse_train_content(content: RecordDict) -> TrainInstruction:
     ReplyError
         If a record is missing or malformed (names what is wrong).
     """
-    config = content.config_records.get(CONFIG)
+    config = record_of(content, CONFIG, ConfigRecord)
     if config is None:
         raise ReplyError(f"train message has no {CONFIG!r} ConfigRecord")
     server_round = _int(config, SERVER_ROUND, "train message")
     model_version = _int(config, MODEL_VERSION, "train message")
     updates: list[tuple[int, bytes]] = []
-    upd = content.array_records.get(UPDATES)
+    upd = record_of(content, UPDATES, ArrayRecord)
     if upd is not None:
         for key, arr in upd.items():
             if not key.startswith("v") or not key[1:].lstrip("-").isdigit():
@@ -160,7 +161,7 @@ def parse_train_content(content: RecordDict) -> TrainInstruction:
         updates.sort(key=lambda item: item[0])
     snapshot = None
     snapshot_version = -1
-    snap = content.array_records.get(SNAPSHOT)
+    snap = record_of(content, SNAPSHOT, ArrayRecord)
     if snap is not None:
         snapshot_version = _int(config, SNAPSHOT_VERSION, "train message")
         snapshot = record_to_tensors(snap)
@@ -168,7 +169,7 @@ def parse_train_content(content: RecordDict) -> TrainInstruction:
     if compressor is not None and not isinstance(compressor, str):
         raise ReplyError(f"train message: {COMPRESSOR!r} must be a str, got {compressor!r}")
     scales = None
-    sc = content.array_records.get(SCALES)
+    sc = record_of(content, SCALES, ArrayRecord)
     if sc is not None:
         if SCALES_ARRAY not in sc:
             raise ReplyError(f"train message: {SCALES!r} ArrayRecord lacks {SCALES_ARRAY!r}")
@@ -228,7 +229,7 @@ def parse_reply(message: Message) -> ClientReply:
     if message.has_error():
         raise ReplyError(f"node {node_id} replied with error: {message.error.reason}")
     content = message.content
-    metrics = content.metric_records.get(METRICS)
+    metrics = record_of(content, METRICS, MetricRecord)
     if metrics is None:
         raise ReplyError(f"node {node_id}: reply has no {METRICS!r} MetricRecord")
     what = f"node {node_id} reply"
@@ -241,14 +242,14 @@ def parse_reply(message: Message) -> ClientReply:
     loss = metrics.get(LOSS)
     if isinstance(loss, bool) or not isinstance(loss, int | float):
         raise ReplyError(f"{what}: {LOSS!r} must be a number, got {loss!r}")
-    replica = content.config_records.get(REPLICA)
+    replica = record_of(content, REPLICA, ConfigRecord)
     raw_fp = None if replica is None else replica.get(FINGERPRINT)
     if not isinstance(raw_fp, bytes) or len(raw_fp) != FINGERPRINT_BYTES:
         raise ReplyError(
             f"{what}: missing {REPLICA!r} ConfigRecord with a {FINGERPRINT_BYTES}-byte "
             f"{FINGERPRINT!r}"
         )
-    update = content.array_records.get(UPDATE)
+    update = record_of(content, UPDATE, ArrayRecord)
     if update is None or PAYLOAD not in update:
         raise ReplyError(f"{what}: missing {UPDATE!r} ArrayRecord with a {PAYLOAD!r} Array")
     try:
