@@ -12,15 +12,22 @@ from __future__ import annotations
 import os
 import time
 
-from flwr.app import Context, Message
+from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp import ClientApp
 
 from clients.fedavg_client import handle_fedavg_evaluate, handle_fedavg_train
 from clients.localized import handle_localized_train
 from clients.malicious import handle_malicious_train, is_attacker
 from clients.roll_call import handle_roll_call
+from clients.state import cached_clients
 from fedddl.app_config import AppConfig
-from fedddl.flower.protocol import CLIENT_SECONDS, FEDAVG_ARRAYS, METRICS, is_localized_train
+from fedddl.flower.protocol import (
+    CLIENT_CACHED,
+    CLIENT_SECONDS,
+    FEDAVG_ARRAYS,
+    METRICS,
+    is_localized_train,
+)
 from fedddl.flower.roll_call import ACTION as ROLL_CALL
 
 __all__ = ["app", "handle_train", "make_client_app"]
@@ -30,8 +37,9 @@ def handle_train(message: Message, context: Context, cfg: AppConfig) -> Message:
     """Dispatch a TRAIN message to the protocol it belongs to.
 
     With ``FEDDDL_CLIENT_TIMING=1`` in the environment, the reply's ``metrics`` record
-    also carries ``client-s``: seconds spent in this handler (a diagnostic; it adds a
-    few bytes to every reply).
+    also carries ``client-s`` (seconds spent in this handler) and ``client-cached`` (how
+    many clients' live state this process holds): diagnostics that add a few bytes to
+    every reply.
     """
     _single_thread()
     start = time.perf_counter()
@@ -40,6 +48,7 @@ def handle_train(message: Message, context: Context, cfg: AppConfig) -> Message:
         metrics = reply.content.metric_records.get(METRICS)
         if metrics is not None:
             metrics[CLIENT_SECONDS] = time.perf_counter() - start
+            metrics[CLIENT_CACHED] = cached_clients()
     return reply
 
 
@@ -48,7 +57,7 @@ def _dispatch(message: Message, context: Context, cfg: AppConfig) -> Message:
         if cfg.num_attackers and is_attacker(context, cfg):  # attack evaluation only
             return handle_malicious_train(message, context, cfg)
         return handle_localized_train(message, context, cfg)
-    if FEDAVG_ARRAYS in message.content.array_records:
+    if isinstance(message.content.get(FEDAVG_ARRAYS), ArrayRecord):
         return handle_fedavg_train(message, context, cfg)
     raise ValueError(
         "train message is neither the localized protocol (config.model-version) "

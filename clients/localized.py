@@ -13,6 +13,7 @@ from flwr.app import Context, Message
 from clients.shard import load_shard, partition_of
 from clients.state import load_state, save_state
 from fedddl.app_config import AppConfig
+from fedddl.devices import resolve_device
 from fedddl.flower.protocol import build_reply_content, parse_train_content
 from fedddl.sync.messages import ClientReply
 from fedddl.sync.worker import run_instruction
@@ -30,8 +31,9 @@ def compute_reply(message: Message, context: Context, cfg: AppConfig) -> ClientR
     """Follow one training message and return the (Flower-free) reply; saves the state."""
     instruction = parse_train_content(message.content)
     pid, num = partition_of(context.node_config)
-    model_fn = cfg.model_factory()
-    state = load_state(context.state, model_fn, cfg.learning_rate, cfg.momentum)
+    model_fn = cfg.model_factory(device=resolve_device(cfg.device))
+    key = (context.run_id, context.node_id)
+    state = load_state(context.state, model_fn, cfg.learning_rate, cfg.momentum, key=key)
     reply = run_instruction(
         state,
         instruction,
@@ -41,5 +43,5 @@ def compute_reply(message: Message, context: Context, cfg: AppConfig) -> ClientR
         model_fn=model_fn,
         cfg=cfg,
     )
-    save_state(context.state, state)
+    save_state(context.state, state, key=key)
     return reply

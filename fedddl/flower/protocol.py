@@ -21,9 +21,12 @@ Server → client, ``MessageType.TRAIN``:
 Client → server reply:
 
 * ``"update"`` :class:`~flwr.app.ArrayRecord`: ``"payload"`` → encoded (pseudo-)gradient,
-  optionally ``"scales"`` → the client's local per-tensor scales (``float32``).
+  optionally ``"scales"`` → the client's local per-tensor scales (``float32``), and, for
+  models with BatchNorm layers, ``"statistics"`` → the encoded input statistics of its
+  minibatches (:mod:`fedddl.running_stats`).
 * ``"metrics"`` :class:`~flwr.app.MetricRecord`: ``num-examples``, ``loss``,
-  ``model-version`` (and ``client-s``, handler seconds, with ``FEDDDL_CLIENT_TIMING=1``).
+  ``model-version`` (and, with ``FEDDDL_CLIENT_TIMING=1``, the diagnostics ``client-s``,
+  handler seconds, and ``client-cached``, clients whose state the process holds).
 * ``"replica"`` :class:`~flwr.app.ConfigRecord`: ``fingerprint`` (the first
   :data:`~fedddl.sync.messages.FINGERPRINT_BYTES` bytes of the replica's sha256
   fingerprint). A client that cannot catch up sends only ``"metrics"`` with
@@ -50,6 +53,7 @@ from fedddl.flower.records import (
     array_to_floats,
     bytes_to_array,
     floats_to_array,
+    record_of,
     record_to_tensors,
     tensors_to_record,
 )
@@ -89,6 +93,7 @@ METRICS = "metrics"
 REPLICA = "replica"
 # Arrays and keys.
 PAYLOAD = "payload"
+STATISTICS = "statistics"
 SCALES_ARRAY = "s"
 SERVER_ROUND = "server-round"
 MODEL_VERSION = "model-version"
@@ -100,6 +105,7 @@ LOSS = "loss"
 RESYNC = "resync"
 FINGERPRINT = "fingerprint"
 CLIENT_SECONDS = "client-s"
+CLIENT_CACHED = "client-cached"
 #: The record of a stock FedAvg TRAIN message and reply (model weights).
 FEDAVG_ARRAYS = "arrays"
 #: Default bound on a reply's ``num-examples`` (a server passes its own, e.g. batch x steps).
@@ -110,7 +116,7 @@ MAX_LOSS = 1e9
 
 def is_localized_train(content: RecordDict) -> bool:
     """Whether a TRAIN message belongs to this protocol (else it may be FedAvg)."""
-    config = content.config_records.get(CONFIG)
+    config = record_of(content, CONFIG, ConfigRecord)
     return config is not None and MODEL_VERSION in config
 
 
@@ -152,13 +158,13 @@ def parse_train_content(content: RecordDict) -> TrainInstruction:
     ReplyError
         If a record is missing or malformed (names what is wrong).
     """
-    config = content.config_records.get(CONFIG)
+    config = record_of(content, CONFIG, ConfigRecord)
     if config is None:
         raise ReplyError(f"train message has no {CONFIG!r} ConfigRecord")
     server_round = _int(config, SERVER_ROUND, "train message")
     model_version = _int(config, MODEL_VERSION, "train message")
     updates: list[tuple[int, bytes]] = []
-    upd = content.array_records.get(UPDATES)
+    upd = record_of(content, UPDATES, ArrayRecord)
     if upd is not None:
         for key, arr in upd.items():
             if not key.startswith("v") or not key[1:].lstrip("-").isdigit():
@@ -167,7 +173,7 @@ def parse_train_content(content: RecordDict) -> TrainInstruction:
         updates.sort(key=lambda item: item[0])
     snapshot = None
     snapshot_version = -1
-    snap = content.array_records.get(SNAPSHOT)
+    snap = record_of(content, SNAPSHOT, ArrayRecord)
     if snap is not None:
         snapshot_version = _int(config, SNAPSHOT_VERSION, "train message")
         snapshot = record_to_tensors(snap)
@@ -175,7 +181,7 @@ def parse_train_content(content: RecordDict) -> TrainInstruction:
     if compressor is not None and not isinstance(compressor, str):
         raise ReplyError(f"train message: {COMPRESSOR!r} must be a str, got {compressor!r}")
     scales = None
-    sc = content.array_records.get(SCALES)
+    sc = record_of(content, SCALES, ArrayRecord)
     if sc is not None:
         if SCALES_ARRAY not in sc:
             raise ReplyError(f"train message: {SCALES!r} ArrayRecord lacks {SCALES_ARRAY!r}")
@@ -206,6 +212,8 @@ def build_reply_content(reply: ClientReply) -> RecordDict:
     arrays = {PAYLOAD: bytes_to_array(reply.payload)}
     if reply.scales is not None:
         arrays[SCALES] = floats_to_array(reply.scales)
+    if reply.statistics is not None:
+        arrays[STATISTICS] = bytes_to_array(reply.statistics)
     return RecordDict(
         {
             UPDATE: ArrayRecord(arrays),
@@ -241,7 +249,7 @@ def parse_reply(message: Message, *, max_examples: int = MAX_EXAMPLES) -> Client
     if message.has_error():
         raise ReplyError(f"node {node_id} replied with error: {message.error.reason}")
     content = message.content
-    metrics = content.metric_records.get(METRICS)
+    metrics = record_of(content, METRICS, MetricRecord)
     if metrics is None:
         raise ReplyError(f"node {node_id}: reply has no {METRICS!r} MetricRecord")
     what = f"node {node_id} reply"
@@ -266,14 +274,14 @@ def parse_reply(message: Message, *, max_examples: int = MAX_EXAMPLES) -> Client
         raise ReplyError(f"{what}: {LOSS!r} must be a number, got {loss!r}")
     if not 0 <= loss <= MAX_LOSS:  # also false for NaN
         raise ReplyError(f"{what}: {LOSS!r} must be finite and in [0, {MAX_LOSS:g}], got {loss}")
-    replica = content.config_records.get(REPLICA)
+    replica = record_of(content, REPLICA, ConfigRecord)
     raw_fp = None if replica is None else replica.get(FINGERPRINT)
     if not isinstance(raw_fp, bytes) or len(raw_fp) != FINGERPRINT_BYTES:
         raise ReplyError(
             f"{what}: missing {REPLICA!r} ConfigRecord with a {FINGERPRINT_BYTES}-byte "
             f"{FINGERPRINT!r}"
         )
-    update = content.array_records.get(UPDATE)
+    update = record_of(content, UPDATE, ArrayRecord)
     if update is None or PAYLOAD not in update:
         raise ReplyError(f"{what}: missing {UPDATE!r} ArrayRecord with a {PAYLOAD!r} Array")
     try:
@@ -288,6 +296,12 @@ def parse_reply(message: Message, *, max_examples: int = MAX_EXAMPLES) -> Client
             raise ReplyError(f"{what}: bad {SCALES!r} Array: {err}") from err
         if scales.ndim != 1 or not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
             raise ReplyError(f"{what}: {SCALES!r} must be a 1-D finite non-negative float array")
+    statistics = None
+    if STATISTICS in update:
+        try:
+            statistics = array_to_bytes(update[STATISTICS])
+        except ValueError as err:
+            raise ReplyError(f"{what}: bad {STATISTICS!r} Array: {err}") from err
     return ClientReply(
-        node_id, version, raw_fp.hex(), payload, num_examples, float(loss), scales
+        node_id, version, raw_fp.hex(), payload, num_examples, float(loss), scales, statistics
     )

@@ -8,6 +8,8 @@
 * :func:`pack_tensors` / :func:`unpack_tensors`: named tensors in *one* byte Array plus a
   :class:`~flwr.app.ConfigRecord` layout (cheap ``context.state`` writes).
 * :func:`content_nbytes`: bytes of a :class:`~flwr.app.RecordDict` as serialized by Flower.
+* :func:`record_of`: one record of a given kind by key, without building the filtered
+  views (``RecordDict.array_records`` copies every record into a new dict on each access).
 
 Every decoder raises ``ValueError`` naming what is wrong.
 """
@@ -16,10 +18,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import TypeVar
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.common.serde import recorddict_to_proto
 
 __all__ = [
@@ -31,12 +34,25 @@ __all__ = [
     "content_nbytes",
     "floats_to_array",
     "pack_tensors",
+    "record_of",
     "record_to_tensors",
     "tensors_to_record",
     "unpack_tensors",
 ]
 
 BYTES_STYPE = "bytes"
+
+_Record = TypeVar("_Record", ArrayRecord, ConfigRecord, MetricRecord)
+
+
+def record_of(records: RecordDict, key: str, kind: type[_Record]) -> _Record | None:
+    """The record stored under ``key`` if it is a ``kind``, else None.
+
+    Same answer as ``records.array_records.get(key)`` (for ``kind=ArrayRecord``) at the
+    cost of one dict lookup: Flower's filtered views rebuild a dict on every access.
+    """
+    record = records.get(key)
+    return record if isinstance(record, kind) else None
 
 
 # ------------------------------------------------------------------ raw bytes

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fedddl.compression.downlink import ternary_codes
+from fedddl.running_stats import StatisticsPool
 from fedddl.sync.messages import ClientReply
 
 __all__ = ["FLOAT32_SAFE_SUM", "Aggregate", "Contribution", "running_mean"]
@@ -49,11 +50,15 @@ class Contribution:
     scales : Mapping[str, float] | None
         The ternary scale of each tensor that has one (after any clipping): every value of
         that tensor is ``-scale``, 0 or ``scale``. Tensors without one are dense.
+    statistics : Mapping[str, torch.Tensor] | None
+        The reply's checked BatchNorm input statistics (:mod:`fedddl.running_stats`);
+        None for models without BatchNorm.
     """
 
     reply: ClientReply
     gradient: Mapping[str, torch.Tensor]
     scales: Mapping[str, float] | None = None
+    statistics: Mapping[str, torch.Tensor] | None = None
 
     def peak(self, name: str) -> float:
         """The largest magnitude of tensor ``name`` (its scale, or measured when dense)."""
@@ -77,11 +82,14 @@ class Aggregate:
     code_sums : dict[str, torch.Tensor] | None
         Exact sums of the contributors' ternary codes (int32, flat) at the shared scales,
         when every contribution was ternary at those scales; else None.
+    statistics : dict[str, torch.Tensor] | None
+        The contributors' pooled BatchNorm statistics (None: no BatchNorm).
     """
 
     gradient: dict[str, torch.Tensor]
     contributors: list[ClientReply] = field(default_factory=list)
     code_sums: dict[str, torch.Tensor] | None = None
+    statistics: dict[str, torch.Tensor] | None = None
 
 
 def running_mean(
@@ -106,6 +114,7 @@ def running_mean(
     wide: dict[str, torch.Tensor] = {}  # float64 accumulators of tensors that could overflow
     reach: dict[str, float] = {}  # sum of the contributions' largest magnitudes, per tensor
     sums: dict[str, torch.Tensor] | None = None
+    pool: StatisticsPool | None = None
     contributors: list[ClientReply] = []
     for contribution in contributions:
         gradient = contribution.gradient
@@ -113,7 +122,11 @@ def running_mean(
             total = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in gradient.items()}
             reach = dict.fromkeys(total, 0.0)
             if code_scales is not None:
-                sums = {k: torch.zeros(v.numel(), dtype=torch.int32) for k, v in gradient.items()}
+                sums = {
+                    k: torch.zeros(v.numel(), dtype=torch.int32)
+                    for k, v in gradient.items()
+                    if k in code_scales
+                }
         for name, acc in total.items():
             values = gradient[name]
             reach[name] += contribution.peak(name)
@@ -125,6 +138,9 @@ def running_mean(
                 acc += values.to(torch.float32)
         if sums is not None and code_scales is not None:
             sums = _add_codes(sums, gradient, code_scales)
+        if contribution.statistics is not None:
+            pool = pool or StatisticsPool()
+            pool.add(contribution.statistics)
         contributors.append(contribution.reply)
     if not contributors:
         return Aggregate({})
@@ -133,7 +149,7 @@ def running_mean(
         name: (wide[name] / count).to(torch.float32) if name in wide else acc / count
         for name, acc in total.items()
     }
-    return Aggregate(mean, contributors, sums)
+    return Aggregate(mean, contributors, sums, None if pool is None else pool.result())
 
 
 def _add_codes(
@@ -144,8 +160,7 @@ def _add_codes(
     """Add ``gradient``'s ternary codes to ``sums``; None if it is not ternary at ``scales``."""
     codes: dict[str, torch.Tensor] = {}
     for name in sums:
-        scale = scales.get(name)
-        found = None if scale is None else ternary_codes(gradient[name], scale)
+        found = ternary_codes(gradient[name], scales[name])
         if found is None:
             return None
         codes[name] = found

@@ -21,8 +21,10 @@ reporting ``1e6`` or ``1e30`` is not honest and would dominate a mean.
   names the tensor, the scale and the bound.
 
 Only the scales at or below their bound enter the history. ``factor = 0`` disables the
-bound. Dense entries (a compressor's small tensors sent uncompressed) carry no scale and are
-not bounded here.
+bound. A dense entry (TernGrad's fp32-exempt tensors, a compressor's small tensors sent
+uncompressed) is bounded the same way by its largest magnitude
+(:attr:`~fedddl.compression.wire.EntryHeader.peak`, measured from the header's dense data
+before anything else is decoded); clipping it clamps its values to ``± bound``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,13 @@ from typing import Any
 from fedddl.compression import EntryHeader
 from fedddl.defenses import SCALE_BOUND_ACTIONS
 
-__all__ = ["SCALE_BOUND_ACTIONS", "BoundVerdict", "ScaleBound", "lower_median"]
+__all__ = ["SCALE_BOUND_ACTIONS", "BoundVerdict", "ScaleBound", "lower_median", "magnitude"]
+
+
+def magnitude(entry: EntryHeader) -> float | None:
+    """The largest magnitude an entry can contribute: its scale when ternary, its measured
+    peak when dense (None: not measured)."""
+    return entry.scale if entry.codec is not None else entry.peak
 
 
 def lower_median(values: Sequence[float]) -> float:
@@ -133,8 +141,9 @@ class ScaleBound:
         scales: dict[str, list[float]] = {}
         for entries in headers.values():
             for entry in entries:
-                if entry.codec is not None:
-                    scales.setdefault(entry.name, []).append(entry.scale)
+                peak = magnitude(entry)
+                if peak is not None:
+                    scales.setdefault(entry.name, []).append(peak)
         for name, values in scales.items():
             told = None if expected is None else expected.get(name)
             if told is not None and told > 0:
@@ -146,18 +155,15 @@ class ScaleBound:
             verdict.bounds[name] = self.factor * lower_median(pooled)
         accepted: dict[str, list[float]] = {}
         for node, entries in headers.items():
-            over = [
-                (e.name, e.scale)
-                for e in entries
-                if e.codec is not None and e.scale > verdict.bounds[e.name]
-            ]
+            peaks = [(e.name, magnitude(e)) for e in entries]
+            over = [(n, p) for n, p in peaks if p is not None and p > verdict.bounds[n]]
             if over:
                 self._judge(verdict, node, over)
                 if self.action == "drop":
                     continue
-            for entry in entries:
-                if entry.codec is not None and entry.scale <= verdict.bounds[entry.name]:
-                    accepted.setdefault(entry.name, []).append(entry.scale)
+            for name, peak in peaks:
+                if peak is not None and peak <= verdict.bounds[name]:
+                    accepted.setdefault(name, []).append(peak)
         if self.rounds:
             self.history.append(accepted)
         return verdict

@@ -5,13 +5,17 @@ and uplink compressor: exactly one entry per trainable parameter (same names, sa
 each a floating dtype, each of a kind the compressor produces (a :class:`TernaryCompressor`
 sends its own codec only, dense entries only for tensors below its ``min_numel``; the
 identity compressor sends dense entries only; a plug-in compressor may send either), and at
-most :attr:`PayloadSpec.max_bytes` bytes in all.
+most :attr:`PayloadSpec.max_bytes` bytes in all; the fp32-exempt parameters
+(:mod:`fedddl.sync.exemptions`) are always dense.
 
 :meth:`PayloadSpec.check` reads the header with
 :func:`fedddl.compression.wire.read_header`, which rejects a message over ``max_bytes`` or
 declaring more tensors than the model has *before* parsing its entries, so the work one
 reply can cause is proportional to the model, not to what the client declares (a message of
-65,536 one-element tensors is rejected from its 18-byte prefix). No value is decoded here.
+65,536 one-element tensors is rejected from its 18-byte prefix). No ternary value is decoded
+here; the values of the dense entries (the small fp32-exempt tensors) are read to measure
+their largest magnitude, which the scale bound (:mod:`fedddl.sync.scale_bound`) bounds like
+a ternary scale.
 """
 
 from __future__ import annotations
@@ -55,16 +59,22 @@ class PayloadSpec:
         (None: for any tensor).
     max_bytes : int
         Largest acceptable message: every tensor dense in float64, plus its header.
+    dense_names : frozenset[str]
+        Tensors that are always sent dense (the fp32 exemptions).
     """
 
     shapes: dict[str, tuple[int, ...]]
     ternary_codecs: frozenset[str] | None
     dense_below: int | None
     max_bytes: int
+    dense_names: frozenset[str] = frozenset()
 
     @classmethod
-    def for_model(cls, model: nn.Module, compressor: Compressor) -> PayloadSpec:
-        """The spec of ``model``'s gradients encoded with ``compressor``."""
+    def for_model(
+        cls, model: nn.Module, compressor: Compressor, dense: frozenset[str] = frozenset()
+    ) -> PayloadSpec:
+        """The spec of ``model``'s gradients encoded with ``compressor``, the parameters in
+        ``dense`` (TernGrad's fp32 exemptions, :mod:`fedddl.sync.exemptions`) sent dense."""
         shapes = {
             name: tuple(int(d) for d in p.shape)
             for name, p in model.named_parameters()
@@ -85,7 +95,7 @@ class PayloadSpec:
             codecs, dense_below = frozenset(), None
         else:  # a plug-in: its payload kinds are not known in advance
             codecs, dense_below = None, None
-        return cls(shapes, codecs, dense_below, max_bytes)
+        return cls(shapes, codecs, dense_below, max_bytes, frozenset(dense) & set(shapes))
 
     def check(self, payload: bytes, node: int) -> list[EntryHeader]:
         """Read ``payload``'s header and check it against the spec; decode nothing.
@@ -103,7 +113,7 @@ class PayloadSpec:
         what = f"node {node} payload rejected"
         try:
             entries = read_header(
-                payload, max_bytes=self.max_bytes, max_tensors=len(self.shapes)
+                payload, max_bytes=self.max_bytes, max_tensors=len(self.shapes), dense_peaks=True
             )
         except PayloadError as err:
             raise PayloadRejected(f"{what}: {err}") from err
@@ -125,7 +135,12 @@ class PayloadSpec:
         return entries
 
     def _check_kind(self, entry: EntryHeader, what: str) -> None:
-        if entry.codec is None:
+        if entry.name in self.dense_names:
+            if entry.codec is not None:
+                raise PayloadRejected(
+                    f"{what}: tensor {entry.name!r} is ternary, it is sent in fp32 (exempt)"
+                )
+        elif entry.codec is None:
             if self.dense_below is not None and entry.numel >= self.dense_below:
                 raise PayloadRejected(
                     f"{what}: tensor {entry.name!r} is dense, the compressor sends it ternary"

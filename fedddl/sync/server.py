@@ -54,9 +54,15 @@ from fedddl.compression import (
     ResidualMemory,
     decode_update,
     is_ternary,
+    read_header,
 )
 from fedddl.compression import make_compressor as build_compressor
-from fedddl.compression.downlink import decode_broadcast, encode_reencoded, encode_shared_sum
+from fedddl.compression.downlink import (
+    decode_broadcast_parts,
+    encode_bundle,
+    encode_reencoded,
+    encode_shared_sum,
+)
 from fedddl.defenses import Defenses
 from fedddl.replica import (
     CatchUp,
@@ -66,6 +72,7 @@ from fedddl.replica import (
     check_update,
     plan_catch_up,
 )
+from fedddl.running_stats import StatisticsError, batchnorm_layers, check_statistics
 from fedddl.seeding import derive_seed
 from fedddl.sync import checkpoints
 from fedddl.sync.aggregation import Aggregate, Contribution
@@ -77,6 +84,7 @@ from fedddl.sync.errors import (
     UnexpectedReply,
     VersionMismatch,
 )
+from fedddl.sync.exemptions import WARMUP_COMPRESSOR, exempt_parameters
 from fedddl.sync.messages import ClientReply, TrainInstruction, fingerprint_prefix
 from fedddl.sync.nodes import NodeBook
 from fedddl.sync.report import RoundReport
@@ -84,6 +92,7 @@ from fedddl.sync.resync_limit import ResyncLimiter
 from fedddl.sync.robust import make_aggregator
 from fedddl.sync.scale_bound import ScaleBound
 from fedddl.sync.screening import PayloadSpec
+from fedddl.sync.statistics_bound import bound_statistics, check_statistics_range
 
 __all__ = ["DOWNLINKS", "ParseFailure", "ReplicaServer"]
 
@@ -102,11 +111,13 @@ class ParseFailure:
 
 @dataclass(frozen=True)
 class _Screened:
-    """A reply that passed screening: its payload's entries, and the tensors to clip."""
+    """A reply that passed screening: its payload's entries, the tensors to clip (tensor →
+    bound) and its checked BatchNorm statistics."""
 
     reply: ClientReply
     entries: list[EntryHeader]
     clip: dict[str, float]
+    statistics: dict[str, torch.Tensor] | None = None
 
 
 class ReplicaServer:
@@ -130,6 +141,8 @@ class ReplicaServer:
         Seeds the server-side compressor (and, in the Flower strategy, node sampling).
     min_replies : int
         Accepted replies needed to apply a round's update (fewer: the round is skipped).
+    fp32_min_numel, fp32_logits, fp32_warmup_rounds
+        TernGrad's fp32 exemptions (:mod:`fedddl.sync.exemptions`), both directions.
     defenses : Defenses | None
         Aggregator, scale bound and resync rate limit (None: the defaults).
 
@@ -163,6 +176,9 @@ class ReplicaServer:
         update_log_size: int = 8,
         seed: int = 0,
         min_replies: int = 1,
+        fp32_min_numel: int = 0,
+        fp32_logits: bool = False,
+        fp32_warmup_rounds: int = 0,
         defenses: Defenses | None = None,
     ) -> None:
         if downlink not in DOWNLINKS:
@@ -171,13 +187,15 @@ class ReplicaServer:
             )
         if min_replies < 1:
             raise ValueError(f"min_replies must be >= 1, got {min_replies}")
+        if fp32_warmup_rounds < 0:
+            raise ValueError(f"fp32_warmup_rounds must be >= 0, got {fp32_warmup_rounds}")
         self._compressor_arg = compressor
         self.clip_sigma = clip_sigma
         self.downlink = downlink
         self.seed = seed
         self.min_replies = min_replies
         self.round_offset = 0
-        uplink = build_compressor(self.compressor_name(), seed=0, clip_sigma=clip_sigma)
+        build_compressor(self.compressor_name(), seed=0, clip_sigma=clip_sigma)  # validates
         self.defenses = defenses if defenses is not None else Defenses()
         self._aggregator = make_aggregator(
             self.defenses.aggregator, trim_fraction=self.defenses.trim_fraction
@@ -186,8 +204,14 @@ class ReplicaServer:
         self.resyncs = ResyncLimiter(self.defenses.resync_interval)
         self._limited: list[int] = []
         self.shadow = Replica(model_fn(), learning_rate, momentum, version=0)
-        self.payload_spec = PayloadSpec.for_model(self.shadow.model, uplink)
+        self._specs: dict[str, PayloadSpec] = {}
         self.param_names = [n for n, p in self.shadow.model.named_parameters() if p.requires_grad]
+        self.dense = exempt_parameters(
+            self.shadow.model, min_numel=fp32_min_numel, logits=fp32_logits
+        )
+        self.fp32_warmup_rounds = fp32_warmup_rounds
+        self._scratch: dict[str, torch.Tensor] | None = None
+        self._round = 0
         self.log = UpdateLog(update_log_size)
         self.fingerprints: OrderedDict[int, str] = OrderedDict({0: self.shadow.fingerprint()})
         self.nodes = NodeBook()
@@ -254,17 +278,23 @@ class ReplicaServer:
         :func:`~fedddl.compression.downlink.decode_broadcast`.
         """
         if aggregate.code_sums is not None and self.shared_scales is not None:
+            ternary = [n for n in self.param_names if n not in self.dense]
             scales = dict(zip(self.param_names, self.shared_scales.tolist(), strict=True))
-            shapes = {n: tuple(aggregate.gradient[n].shape) for n in self.param_names}
-            sums = {n: aggregate.code_sums[n] for n in self.param_names}
+            sums = {n: aggregate.code_sums[n] for n in ternary}
+            shapes = {n: tuple(aggregate.gradient[n].shape) for n in ternary}
             count = len(aggregate.contributors)
-            return encode_shared_sum(sums, scales, shapes, count), "shared-scale-sum"
+            exact = encode_shared_sum(sums, {n: scales[n] for n in ternary}, shapes, count)
+            dense = {n: aggregate.gradient[n] for n in self.param_names if n in self.dense}
+            return encode_bundle(exact, dense), "shared-scale-sum"
         compressor = build_compressor(
-            self.compressor_name(),
+            self.compressor_for(server_round),
             seed=derive_seed(self.seed, server_round, 1 << 40),
             clip_sigma=self.clip_sigma,
         )
-        return encode_reencoded(aggregate.gradient, compressor, self.server_memory), "encoded"
+        payload = encode_reencoded(
+            aggregate.gradient, compressor, self.server_memory, dense=self.dense
+        )
+        return payload, "encoded"
 
     # ------------------------------------------------------------------ rounds
     @property
@@ -272,9 +302,16 @@ class ReplicaServer:
         """The report of the latest aggregated round."""
         return self.reports[-1] if self.reports else None
 
-    def wants_shared_sum(self) -> bool:
+    def compressor_for(self, server_round: int) -> str:
+        """The uplink compressor of (global) round ``server_round``: fp32 during warm-up."""
+        if server_round <= self.fp32_warmup_rounds:
+            return WARMUP_COMPRESSOR
+        return self.compressor_name()
+
+    def wants_shared_sum(self, server_round: int) -> bool:
         """Whether clients report local scales for the ``shared-scale-sum`` downlink."""
-        return self.downlink == "shared-scale-sum" and is_ternary(self.compressor_name())
+        name = self.compressor_for(server_round)
+        return self.downlink == "shared-scale-sum" and is_ternary(name)
 
     def plan_round(self, server_round: int, nodes: Iterable[int]) -> dict[int, TrainInstruction]:
         """Return the instruction of every node of this (global) round.
@@ -285,7 +322,8 @@ class ReplicaServer:
         current = self.shadow.version
         snapshot: dict[str, torch.Tensor] | None = None
         shared: dict[tuple[str, int, bool], TrainInstruction] = {}
-        want_scales = self.wants_shared_sum()
+        want_scales = self.wants_shared_sum(server_round)
+        compressor = self.compressor_for(server_round)
         plan: dict[int, TrainInstruction] = {}
         limited: list[int] = []
         for node in nodes:
@@ -297,7 +335,7 @@ class ReplicaServer:
                     limited.append(node)
                 else:
                     self.resyncs.served(node, server_round)
-            tell = self.nodes.needs_compressor(node) or catch_up.kind == "snapshot"
+            tell = self.nodes.needs_compressor(node, compressor) or catch_up.kind == "snapshot"
             key = (catch_up.kind, known if catch_up.kind == "log" else -2, tell)
             instruction = shared.get(key)
             if instruction is None:
@@ -309,12 +347,12 @@ class ReplicaServer:
                     updates=catch_up.updates,
                     snapshot=snapshot if catch_up.kind == "snapshot" else None,
                     snapshot_version=current if catch_up.kind == "snapshot" else -1,
-                    compressor=self.compressor_name() if tell else None,
+                    compressor=compressor if tell else None,
                     scales=self.shared_scales if want_scales else None,
                     want_scales=want_scales,
                 )
                 shared[key] = instruction
-            self.nodes.sent(node, current)
+            self.nodes.sent(node, current, compressor)
             plan[node] = instruction
         self._limited = limited
         return plan
@@ -334,6 +372,7 @@ class ReplicaServer:
         start = time.perf_counter()
         report = RoundReport(server_round)
         report.resync_limited, self._limited = self._limited, []
+        self._round = server_round
         screened = [r for r in (self._screen(item, report) for item in replies) if r is not None]
         self.nodes.end_round()
         bounded = self._bound_scales(screened, report)
@@ -390,12 +429,11 @@ class ReplicaServer:
         )
         return report
 
-    def _screen(
-        self, item: ClientReply | ParseFailure, report: RoundReport
-    ) -> tuple[ClientReply, list[EntryHeader]] | None:
+    def _screen(self, item: ClientReply | ParseFailure, report: RoundReport) -> _Screened | None:
         """Validate one reply and its payload header; record a drop and return None if it fails.
 
-        Nothing is decoded here. Any exception counts against the reply, never the round.
+        No gradient value is decoded here (only the small BatchNorm statistics, bounded in
+        size first). Any exception counts against the reply, never the round.
         """
         if isinstance(item, ParseFailure):
             self.resyncs.unreadable(item.node_id)
@@ -403,9 +441,11 @@ class ReplicaServer:
             return None
         error: ReplyError | None = None
         entries: list[EntryHeader] = []
+        statistics: dict[str, torch.Tensor] | None = None
         try:
             self.validate_reply(item, self.nodes.expected_version(item.node_id))
             entries = self._check_payload(item)
+            statistics = self._statistics_of(item)
         except ReplyError as err:
             error = err
         except Exception as err:  # a bug in an override on hostile input must not end the round
@@ -418,52 +458,79 @@ class ReplicaServer:
             self._drop(report, item.node_id, error)
             return None
         report.note_fingerprint_checked(item.node_id)
-        return item, entries
+        return _Screened(item, entries, {}, statistics)
 
     def _check_payload(self, reply: ClientReply) -> list[EntryHeader]:
         """The payload's header, checked against the model (and the reply's local scales)."""
         if reply.payload is None:
             raise PayloadRejected(f"node {reply.node_id} payload rejected: no payload")
-        entries = self.payload_spec.check(reply.payload, reply.node_id)
+        entries = self._payload_spec().check(reply.payload, reply.node_id)
         size = (len(self.param_names),)
-        if reply.scales is not None and self.wants_shared_sum() and reply.scales.shape != size:
+        if (
+            reply.scales is not None
+            and self.wants_shared_sum(self._round)
+            and reply.scales.shape != size
+        ):
             raise PayloadRejected(
                 f"node {reply.node_id} payload rejected: {tuple(reply.scales.shape)} local "
                 f"scales for {len(self.param_names)} tensors"
             )
         return entries
 
-    def _bound_scales(
-        self, screened: list[tuple[ClientReply, list[EntryHeader]]], report: RoundReport
-    ) -> list[_Screened]:
-        """Apply the header scale bound: note the clipped replies, drop the dropped ones."""
+    def _payload_spec(self) -> PayloadSpec:
+        """What this round's replies must look like (the round's compressor, the exemptions)."""
+        name = self.compressor_for(self._round)
+        spec = self._specs.get(name)
+        if spec is None:
+            compressor = build_compressor(name, seed=0, clip_sigma=self.clip_sigma)
+            spec = PayloadSpec.for_model(self.shadow.model, compressor, dense=self.dense)
+            self._specs[name] = spec
+        return spec
+
+    def _bound_scales(self, screened: list[_Screened], report: RoundReport) -> list[_Screened]:
+        """Apply the scale bound (and the statistics bound): note the clipped replies, drop
+        the dropped ones."""
         verdict = self.scale_bound.screen(
-            {reply.node_id: entries for reply, entries in screened}, self._code_scales()
+            {item.reply.node_id: item.entries for item in screened}, self._code_scales()
         )
         for node, why in verdict.dropped.items():
             self._drop(report, node, PayloadRejected(why))
-        for node, why in verdict.clipped.items():
+        kept = [item for item in screened if item.reply.node_id not in verdict.dropped]
+        clipped = dict(verdict.clipped)
+        if self.scale_bound.enabled:
+            stats = {i.reply.node_id: i.statistics for i in kept if i.statistics is not None}
+            for node, why in bound_statistics(stats, self.scale_bound.factor).items():
+                clipped[node] = f"{clipped[node]}; {why}" if node in clipped else why
+        for node, why in clipped.items():
             report.clipped[node] = why
             logger.log(WARNING, "clipping reply: %s", why)
         return [
-            _Screened(reply, entries, verdict.clip.get(reply.node_id, {}))
-            for reply, entries in screened
-            if reply.node_id not in verdict.dropped
-        ]
+            _Screened(item.reply, item.entries, verdict.clip.get(item.reply.node_id, {}),
+                      item.statistics)
+            for item in kept
+        ]  # fmt: skip
 
     def _decoded(self, screened: list[_Screened], report: RoundReport) -> Iterator[Contribution]:
-        """Decode each screened reply into one reused buffer; drop those that do not decode."""
+        """Decode each screened reply into one reused buffer; drop those that do not decode.
+
+        Server memory therefore stays flat in the number of clients: the encoded replies,
+        one fp32 decode buffer and the aggregation's accumulator.
+        """
+        scratch = self._decode_buffers()
         for item in screened:
             reply = item.reply
             assert reply.payload is not None
             scales = {e.name: e.scale for e in item.entries if e.codec is not None}
             try:
                 try:
-                    gradient = decode_update(reply.payload)
+                    decode_update(reply.payload, out=scratch)
                     for name, bound in item.clip.items():
-                        scales[name] = _clip_ternary(gradient[name], bound)
-                    check_update(self.shadow.model, gradient)
-                except (PayloadError, ReplicaError) as err:
+                        if name in scales:
+                            scales[name] = _clip_ternary(scratch[name], bound)
+                        else:  # a dense (fp32-exempt) tensor: its values, to +-bound
+                            scratch[name].clamp_(-bound, bound)
+                    check_update(self.shadow.model, scratch)
+                except (PayloadError, ReplicaError, StatisticsError) as err:
                     raise PayloadRejected(f"node {reply.node_id} payload rejected: {err}") from err
                 except Exception as err:  # a decoder bug on hostile input must not end the round
                     raise PayloadRejected(
@@ -472,7 +539,47 @@ class ReplicaServer:
             except PayloadRejected as err:
                 self._drop(report, reply.node_id, err)
                 continue
-            yield Contribution(reply, gradient, scales)
+            yield Contribution(reply, scratch, scales=scales, statistics=item.statistics)
+
+    def _decode_buffers(self) -> dict[str, torch.Tensor]:
+        """One float32 CPU buffer per trainable parameter, reused by every reply and round."""
+        if self._scratch is None:
+            self._scratch = {
+                n: torch.zeros(p.shape, dtype=torch.float32)
+                for n, p in self.shadow.model.named_parameters()
+                if p.requires_grad
+            }
+        return self._scratch
+
+    def _statistics_of(self, reply: ClientReply) -> dict[str, torch.Tensor] | None:
+        """The reply's BatchNorm statistics, checked against the model and the limits of
+        :mod:`fedddl.sync.statistics_bound` (None: no BatchNorm).
+
+        Raises
+        ------
+        PayloadRejected
+            Naming what is wrong with them.
+        """
+        what = f"node {reply.node_id} statistics rejected"
+        layers = batchnorm_layers(self.shadow.model)
+        if not layers:
+            if reply.statistics is not None:
+                raise PayloadRejected(f"{what}: the model has no BatchNorm layer")
+            return None
+        if reply.statistics is None:
+            raise PayloadRejected(f"{what}: the model has BatchNorm layers but none came")
+        try:
+            read_header(
+                reply.statistics,
+                max_bytes=4096 + 16 * sum(int(m.num_features) + 1 for m in layers.values()),
+                max_tensors=3 * len(layers),
+            )
+            statistics = decode_update(reply.statistics)
+            check_statistics(self.shadow.model, statistics)
+            check_statistics_range(statistics)
+        except (PayloadError, StatisticsError) as err:
+            raise PayloadRejected(f"{what}: {err}") from err
+        return statistics
 
     def _drop(self, report: RoundReport, node: int, error: ReplyError) -> None:
         report.dropped[node] = str(error)
@@ -496,19 +603,25 @@ class ReplicaServer:
     def _apply(self, server_round: int, aggregate: Aggregate, report: RoundReport) -> None:
         """Encode, decode, apply and log the aggregate; raises before changing the shadow."""
         payload, report.downlink_format = self.encode_downlink(server_round, aggregate)
-        update = decode_broadcast(payload)  # exactly what every client will apply
-        self.shadow.apply_update(update, self.shadow.version + 1)
+        if aggregate.statistics:
+            payload = encode_bundle(payload, statistics=aggregate.statistics)
+        update, statistics = decode_broadcast_parts(payload)  # what every client will apply
+        self.shadow.apply_update(update, self.shadow.version + 1, statistics)
         self.log.append(self.shadow.version, payload)
         self.fingerprints[self.shadow.version] = self.shadow.fingerprint()
         while len(self.fingerprints) > max(64, 2 * len(self.log) + 2):
             self.fingerprints.popitem(last=False)
-        if self.wants_shared_sum():
+        if self.wants_shared_sum(server_round + 1):
             self._update_shared_scales(aggregate.contributors)
+        else:
+            self.shared_scales = None
 
     def _code_scales(self) -> dict[str, float] | None:
-        if not self.wants_shared_sum() or self.shared_scales is None:
+        """The shared scales of the ternary-coded tensors, when the shared sum applies."""
+        if not self.wants_shared_sum(self._round) or self.shared_scales is None:
             return None
-        return dict(zip(self.param_names, self.shared_scales.tolist(), strict=True))
+        pairs = zip(self.param_names, self.shared_scales.tolist(), strict=True)
+        return {n: s for n, s in pairs if n not in self.dense}
 
     def _update_shared_scales(self, contributors: list[ClientReply]) -> None:
         """The next round's shared scales: per tensor, the largest reported local scale,
