@@ -1,11 +1,16 @@
 """Final accuracy under attack, per aggregator: the README's table of untrusted clients.
 
-Runs ``fedddl simulate`` (in-process Flower simulation, digits, 10 clients, the README's
-TernGrad settings) once per cell, each in its own process, writes every results JSON to
-``--out`` (a cell whose JSON exists is not run again, so an interrupted table resumes) and
-prints the Markdown tables::
+Runs the real ServerApp loop and ClientApps (honest and malicious) of ``fedddl simulate``
+(digits, 10 clients, stratified shards, the default TernGrad settings) once per cell, writes
+every results JSON to ``--out`` (a cell whose JSON exists is not run again, so an
+interrupted table resumes) and prints the Markdown tables::
 
-    python simulations/attack_table.py --rounds 200 --out results/attacks
+    python simulations/attack_table.py --rounds 100 --out results/attacks
+
+By default each cell runs in this process on a Ray-free in-process grid
+(``tests/support/inline_grid.py``: every node's ClientApp called in turn, with its own
+state, exactly the messages of a simulation); ``--ray`` runs each cell as
+``fedddl simulate`` in its own process instead (same apps, Ray actors, slower to start).
 
 Columns: ``plain mean`` is the mean without the scale bound and without the resync rate
 limit (``--scale-bound 0 --resync-interval 0``: what the server did before they existed,
@@ -21,12 +26,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+# The same columns as AppConfig settings (the in-process runs).
+SETTINGS: dict[str, dict[str, Any]] = {
+    "plain mean": {"scale_bound": 0.0, "resync_interval": 0},
+    "mean": {},
+    "median": {"aggregator": "median"},
+    "trimmed-mean": {"aggregator": "trimmed-mean"},
+    "sign-vote": {"aggregator": "sign-vote"},
+}
 COLUMNS: dict[str, list[str]] = {
     "plain mean": ["--scale-bound", "0", "--resync-interval", "0"],
     "mean": [],
@@ -38,6 +52,7 @@ POISONING = ["scale:1e6", "scale:1e30", "sign-flip", "all-plus"]
 REFUSED = ["nan-metrics", "inf-metrics", "huge-examples", "many-tensors"]
 BANDWIDTH = ["resync-spam", "fingerprint-lie"]
 ATTACKERS = (1, 3)
+CLIENTS = 10
 
 
 def cells() -> list[tuple[str, int, str]]:
@@ -56,11 +71,48 @@ def _name(attack: str, attackers: int, column: str) -> str:
     return f"{attack or 'clean'}-{attackers}-{column.replace(' ', '_')}.json".replace(":", "_")
 
 
+def run_inline(attack: str, attackers: int, column: str, rounds: int) -> dict[str, Any]:
+    """One cell on the in-process grid (no Ray): the results dict of the ServerApp loop."""
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:  # run as a script: the repository's packages
+        sys.path.insert(0, root)
+    import torch
+
+    from clients.client_app import make_client_app
+    from fedddl.app_config import AppConfig
+    from strategies.server_app import run_server
+    from tests.support.inline_grid import InlineGrid
+
+    torch.set_num_threads(1)
+    logging.disable(logging.WARNING)  # per-round logs of 10 clients x many cells: the JSON has them
+    cfg = AppConfig(
+        num_server_rounds=rounds,
+        dataset="digits",
+        partition="stratified",
+        seed=0,
+        min_available_nodes=CLIENTS,
+        attack=attack,
+        num_attackers=attackers,
+        **SETTINGS[column],
+    )
+    return run_server(InlineGrid(make_client_app(cfg), CLIENTS), cfg, progress=lambda _: None)
+
+
 def run_cell(
-    attack: str, attackers: int, column: str, rounds: int, out: Path, extra: list[str]
+    attack: str, attackers: int, column: str, rounds: int, out: Path, extra: list[str] | None
 ) -> dict[str, Any]:
-    """Run (or read back) one cell's simulation."""
+    """Run (or read back) one cell's simulation (``extra`` None: in-process, else the
+    extra ``fedddl simulate`` arguments of a Ray run)."""
     path = out / _name(attack, attackers, column)
+    if extra is None:
+        if not path.exists():
+            start = time.perf_counter()
+            data = run_inline(attack, attackers, column, rounds)
+            data["runtime_s"] = time.perf_counter() - start
+            path.write_text(json.dumps(data, indent=1, allow_nan=False))
+            print(f"{path.name}: {data['final_accuracy']:.4f} in {data['runtime_s']:.0f} s")
+        result: dict[str, Any] = json.loads(path.read_text())
+        return result
     for _ in range(2):  # once more if no client ever answered (Ray failed to start)
         if path.exists() and _no_client_answered(json.loads(path.read_text())):
             print(f"{path.name}: no client answered (Ray did not start?), running again")
@@ -81,7 +133,7 @@ def run_cell(
         path.write_text(json.dumps(data, indent=1))
         accuracy, runtime = data["final_accuracy"], data["runtime_s"]
         print(f"{path.name}: {accuracy:.4f} in {runtime:.0f} s", flush=True)
-    result: dict[str, Any] = json.loads(path.read_text())
+    result = json.loads(path.read_text())
     return result
 
 
@@ -144,12 +196,13 @@ def tables(results: dict[tuple[str, int, str], dict[str, Any]], rounds: int) -> 
 def main() -> int:
     """Run the missing cells, then print the tables."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--out", default="results/attacks")
     parser.add_argument(
         "--cpus-per-client", default="2", help="Ray CPUs per client (2 on 2 cores: one actor)"
     )
     parser.add_argument("--tables-only", action="store_true", help="print what exists")
+    parser.add_argument("--ray", action="store_true", help="each cell as fedddl simulate (Ray)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -158,8 +211,9 @@ def main() -> int:
         path = out / _name(attack, attackers, column)
         if args.tables_only and not path.exists():
             continue
+        extra = ["--cpus-per-client", args.cpus_per_client] if args.ray else None
         results[(attack, attackers, column)] = run_cell(
-            attack, attackers, column, args.rounds, out, ["--cpus-per-client", args.cpus_per_client]
+            attack, attackers, column, args.rounds, out, extra
         )
     print(tables(results, args.rounds))
     return 0
