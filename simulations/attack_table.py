@@ -71,7 +71,9 @@ def _name(attack: str, attackers: int, column: str) -> str:
     return f"{attack or 'clean'}-{attackers}-{column.replace(' ', '_')}.json".replace(":", "_")
 
 
-def run_inline(attack: str, attackers: int, column: str, rounds: int) -> dict[str, Any]:
+def run_inline(
+    attack: str, attackers: int, column: str, rounds: int, downlink: str = "reternarize"
+) -> dict[str, Any]:
     """One cell on the in-process grid (no Ray): the results dict of the ServerApp loop."""
     root = str(Path(__file__).resolve().parents[1])
     if root not in sys.path:  # run as a script: the repository's packages
@@ -93,13 +95,20 @@ def run_inline(attack: str, attackers: int, column: str, rounds: int) -> dict[st
         min_available_nodes=CLIENTS,
         attack=attack,
         num_attackers=attackers,
+        downlink=downlink,
         **SETTINGS[column],
     )
     return run_server(InlineGrid(make_client_app(cfg), CLIENTS), cfg, progress=lambda _: None)
 
 
 def run_cell(
-    attack: str, attackers: int, column: str, rounds: int, out: Path, extra: list[str] | None
+    attack: str,
+    attackers: int,
+    column: str,
+    rounds: int,
+    out: Path,
+    extra: list[str] | None,
+    downlink: str = "reternarize",
 ) -> dict[str, Any]:
     """Run (or read back) one cell's simulation (``extra`` None: in-process, else the
     extra ``fedddl simulate`` arguments of a Ray run)."""
@@ -107,7 +116,7 @@ def run_cell(
     if extra is None:
         if not path.exists():
             start = time.perf_counter()
-            data = run_inline(attack, attackers, column, rounds)
+            data = run_inline(attack, attackers, column, rounds, downlink)
             data["runtime_s"] = time.perf_counter() - start
             path.write_text(json.dumps(data, indent=1, allow_nan=False))
             print(f"{path.name}: {data['final_accuracy']:.4f} in {data['runtime_s']:.0f} s")
@@ -122,7 +131,8 @@ def run_cell(
         command = [
             sys.executable, "-m", "fedddl", "simulate", "--strategy", "terngrad",
             "--dataset", "digits", "--num-clients", "10", "--rounds", str(rounds),
-            "--seed", "0", "--quiet", "--out", str(path), *COLUMNS[column], *extra,
+            "--seed", "0", "--quiet", "--out", str(path), "--downlink", downlink,
+            *COLUMNS[column], *extra,
         ]  # fmt: skip
         if attack:
             command += ["--attack", attack, "--num-attackers", str(attackers)]
@@ -164,32 +174,32 @@ def tables(results: dict[tuple[str, int, str], dict[str, Any]], rounds: int) -> 
         lines.append(f"| {attack or 'none'} | {attackers} | " + " | ".join(row) + " |")
     lines += [
         "",
-        "Bandwidth attacks (bytes per round, means; honest = the other clients together):",
+        "Bandwidth attacks (bytes down per round, means over the rounds; x: ratio to the clean",
+        "run with the same column's settings):",
         "",
-        "| attack | attackers | column | accuracy % | server down | honest down "
-        "| attackers down | honest replicas equal | resyncs held back |",
+        "| attack | attackers | column | accuracy % | server, all clients | per honest client "
+        "| per attacker | honest replicas equal in every round | resyncs held back |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    clean = results.get(("", 0, "mean"))
-    if clean is not None:
-        s = clean["summary"]
+    for attack, attackers, column in [("", 0, "plain mean"), ("", 0, "mean")] + [
+        (a, n, c) for a in BANDWIDTH for n in ATTACKERS for c in ("plain mean", "mean")
+    ]:
+        result, clean = results.get((attack, attackers, column)), results.get(("", 0, column))
+        if result is None or clean is None:
+            continue
+        s, c = result["summary"], clean["summary"]
+        honest = CLIENTS - attackers
+        per_clean = c["mean_bytes_down"] / CLIENTS
+        per_honest = s.get("mean_bytes_down_honest", s["mean_bytes_down"]) / honest
+        per_attacker = s["mean_bytes_down_attackers"] / attackers if attackers else None
+        equal = s.get("replicas_equal_honest_all", s["replicas_equal_all"])
         lines.append(
-            f"| none | 0 | mean | {_pct(s['final_accuracy'])} | {s['mean_bytes_down']:,.0f} "
-            f"| {s['mean_bytes_down']:,.0f} | — | {s['replicas_equal_all']} | 0 |"
+            f"| {attack or 'none'} | {attackers} | {column} | {_pct(s['final_accuracy'])} "
+            f"| {s['mean_bytes_down']:,.0f} ({s['mean_bytes_down'] / c['mean_bytes_down']:.2f}x) "
+            f"| {per_honest:,.0f} ({per_honest / per_clean:.2f}x) "
+            f"| {'—' if per_attacker is None else f'{per_attacker:,.0f}'} "
+            f"| {equal} | {s['resync_limited']} |"
         )
-    for attack in BANDWIDTH:
-        for attackers in ATTACKERS:
-            for column in ("plain mean", "mean"):
-                result = results.get((attack, attackers, column))
-                if result is None:
-                    continue
-                s = result["summary"]
-                lines.append(
-                    f"| {attack} | {attackers} | {column} | {_pct(s['final_accuracy'])} "
-                    f"| {s['mean_bytes_down']:,.0f} | {s['mean_bytes_down_honest']:,.0f} "
-                    f"| {s['mean_bytes_down_attackers']:,.0f} "
-                    f"| {s['replicas_equal_honest_all']} | {s['resync_limited']} |"
-                )
     return "\n".join(lines)
 
 
@@ -203,17 +213,24 @@ def main() -> int:
     )
     parser.add_argument("--tables-only", action="store_true", help="print what exists")
     parser.add_argument("--ray", action="store_true", help="each cell as fedddl simulate (Ray)")
+    parser.add_argument("--downlink", default="reternarize", help="the run's downlink")
+    parser.add_argument(
+        "--attacks", default="", help="comma-separated attacks to run ('none': clean; '': all)"
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {}
+    wanted = {a if a != "none" else "" for a in args.attacks.split(",")} if args.attacks else None
     for attack, attackers, column in cells():
+        if wanted is not None and attack not in wanted:
+            continue
         path = out / _name(attack, attackers, column)
         if args.tables_only and not path.exists():
             continue
         extra = ["--cpus-per-client", args.cpus_per_client] if args.ray else None
         results[(attack, attackers, column)] = run_cell(
-            attack, attackers, column, args.rounds, out, extra
+            attack, attackers, column, args.rounds, out, extra, args.downlink
         )
     print(tables(results, args.rounds))
     return 0

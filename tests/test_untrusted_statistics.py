@@ -137,3 +137,18 @@ def test_an_entropy_coded_header_is_read_and_bounded_like_a_plain_one() -> None:
     with pytest.raises(PayloadError, match="at most 2 expected"):
         read_header(payload, max_tensors=2)
 
+
+
+@pytest.mark.parametrize("aggregator", ["median", "trimmed-mean", "sign-vote"])
+def test_robust_aggregators_pool_batchnorm_statistics(aggregator: str) -> None:
+    from fedddl.defenses import Defenses
+
+    server = ReplicaServer(
+        _bn_net, compressor="identity", fp32_logits=False, defenses=Defenses(aggregator=aggregator)
+    )
+    _round(server, _stats(mean=0.55))
+    report = server.reports[-1]
+    assert report.version == 1 and not report.skipped, report.skip_reason
+    bn = server.shadow.model.get_submodule("1")
+    assert int(bn.num_batches_tracked) == 1
+    assert not torch.equal(bn.running_mean, torch.zeros(3))

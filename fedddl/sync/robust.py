@@ -23,18 +23,22 @@ each decoded into a buffer the next one overwrites) and the shared code scales o
     coordinate's vote by at most one, whatever its scale. Streams like the mean (an int32
     vote per value plus one scale per tensor and reply).
 
-The median and the trimmed mean keep a float32 copy of every contribution (``n ×`` the
-model). Only the mean sums ternary codes for the ``shared-scale-sum`` downlink; the others
-return no ``code_sums`` and the downlink re-encodes their aggregate.
+Every aggregator pools the contributions' BatchNorm statistics like the mean does
+(:class:`fedddl.running_stats.StatisticsPool`; each reply's statistics were already clipped
+to the round's majority by the server). The median and the trimmed mean keep a float32 copy
+of every contribution (``n ×`` the model). Only the mean sums ternary codes for the
+``shared-scale-sum`` downlink; the others return no ``code_sums`` and the downlink
+re-encodes their aggregate.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
 from fedddl.defenses import AGGREGATORS
+from fedddl.running_stats import StatisticsPool
 from fedddl.sync.aggregation import Aggregate, Contribution, running_mean
 from fedddl.sync.messages import ClientReply
 from fedddl.sync.scale_bound import lower_median
@@ -52,13 +56,25 @@ __all__ = [
 Aggregator = Callable[[Iterable[Contribution], Mapping[str, float] | None], Aggregate]
 
 
+def _pooling(contributions: Iterable[Contribution], pool: StatisticsPool) -> Iterator[Contribution]:
+    """The contributions, their BatchNorm statistics added to ``pool`` on the way."""
+    for contribution in contributions:
+        if contribution.statistics is not None:
+            pool.add(contribution.statistics)
+        yield contribution
+
+
+def _pooled(pool: StatisticsPool) -> dict[str, torch.Tensor] | None:
+    return pool.result() if pool.clients else None
+
+
 def _stacked(
-    contributions: Iterable[Contribution],
+    contributions: Iterable[Contribution], pool: StatisticsPool
 ) -> tuple[list[ClientReply], dict[str, torch.Tensor]]:
     """Every contribution copied into one ``n × ...`` float32 tensor per name."""
     replies: list[ClientReply] = []
     copies: list[dict[str, torch.Tensor]] = []
-    for contribution in contributions:
+    for contribution in _pooling(contributions, pool):
         replies.append(contribution.reply)
         copies.append({k: v.to(torch.float32, copy=True) for k, v in contribution.gradient.items()})
     if not copies:
@@ -71,7 +87,8 @@ def coordinate_median(
 ) -> Aggregate:
     """Coordinate-wise median of the contributions (see the module docstring)."""
     del code_scales
-    replies, stacked = _stacked(contributions)
+    pool = StatisticsPool()
+    replies, stacked = _stacked(contributions, pool)
     if not replies:
         return Aggregate({})
     n = len(replies)
@@ -79,7 +96,7 @@ def coordinate_median(
     for name, values in stacked.items():
         ordered = values.sort(dim=0).values
         median[name] = (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
-    return Aggregate(median, replies)
+    return Aggregate(median, replies, statistics=_pooled(pool))
 
 
 def trimmed_mean(
@@ -98,7 +115,8 @@ def trimmed_mean(
     del code_scales
     if not 0 <= trim_fraction < 0.5:
         raise ValueError(f"trim-fraction must be in [0, 0.5), got {trim_fraction}")
-    replies, stacked = _stacked(contributions)
+    pool = StatisticsPool()
+    replies, stacked = _stacked(contributions, pool)
     if not replies:
         return Aggregate({})
     n = len(replies)
@@ -107,7 +125,7 @@ def trimmed_mean(
     for name, values in stacked.items():
         ordered = values.sort(dim=0).values
         mean[name] = ordered[cut : n - cut].mean(dim=0)
-    return Aggregate(mean, replies)
+    return Aggregate(mean, replies, statistics=_pooled(pool))
 
 
 def sign_vote(
@@ -119,7 +137,8 @@ def sign_vote(
     scales: dict[str, list[float]] = {}
     shapes: dict[str, torch.Size] = {}
     replies: list[ClientReply] = []
-    for contribution in contributions:
+    pool = StatisticsPool()
+    for contribution in _pooling(contributions, pool):
         gradient = contribution.gradient
         if not replies:
             votes = {k: torch.zeros(v.numel(), dtype=torch.int32) for k, v in gradient.items()}
@@ -135,7 +154,7 @@ def sign_vote(
     for name, vote in votes.items():
         magnitude = torch.tensor(lower_median(scales[name]), dtype=torch.float32)
         result[name] = (torch.sign(vote).to(torch.float32) * magnitude).reshape(shapes[name])
-    return Aggregate(result, replies)
+    return Aggregate(result, replies, statistics=_pooled(pool))
 
 
 def make_aggregator(name: str, *, trim_fraction: float = 0.2) -> Aggregator:
