@@ -152,3 +152,21 @@ def test_robust_aggregators_pool_batchnorm_statistics(aggregator: str) -> None:
     bn = server.shadow.model.get_submodule("1")
     assert int(bn.num_batches_tracked) == 1
     assert not torch.equal(bn.running_mean, torch.zeros(3))
+
+
+@pytest.mark.parametrize(("attack", "fate"), [("scale:1e6", "clipped"), ("scale:1e30", "dropped")])
+def test_the_scale_attack_on_batchnorm_statistics(attack: str, fate: str) -> None:
+    from fedddl.attacks import parse_attack
+    from fedddl.attacks.tamper import tamper_reply
+
+    server = ReplicaServer(_bn_net, compressor="identity", fp32_logits=False)
+    server.plan_round(1, NODES)
+    replies = [_reply(server, n, _stats(0.5 + 0.01 * n)) for n in NODES]
+    found = parse_attack(attack)
+    assert found is not None
+    replies[-1] = tamper_reply(replies[-1], found)
+    report = server.aggregate(1, replies)
+    assert report.version == 1
+    assert 5 in (report.clipped if fate == "clipped" else report.dropped)
+    bn = server.shadow.model.get_submodule("1")
+    assert float(bn.running_mean.abs().max()) < 1.0

@@ -9,7 +9,8 @@ kind                the attacker's reply
 ==================  ==========================================================================
 ``scale:S``         its honest gradient with every ternary scale multiplied by ``S`` (capped
                     at the largest finite float32), and so are the local scales it reports
-                    for the ``shared-scale-sum`` downlink
+                    for the ``shared-scale-sum`` downlink, and, for a model with BatchNorm,
+                    its statistics' means (``× S``) and variances (``× S²``)
 ``sign-flip``       its honest gradient with every code negated (honest scales)
 ``all-plus``        every code +1 at its honest scales
 ``nan-metrics``     its honest gradient, ``loss = NaN``

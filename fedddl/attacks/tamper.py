@@ -70,7 +70,11 @@ def tamper_reply(reply: ClientReply, attack: Attack) -> ClientReply:
             wide = scales.to(torch.float64) * attack.arg
             scales = wide.clamp(max=_FLOAT32_MAX).to(torch.float32)
         payload = rewrite_payload(reply.payload, attack)
-        return dataclasses.replace(reply, payload=payload, scales=scales)
+        statistics = reply.statistics
+        if attack.kind == "scale" and statistics is not None:
+            assert attack.arg is not None
+            statistics = _scaled_statistics(statistics, attack.arg)
+        return dataclasses.replace(reply, payload=payload, scales=scales, statistics=statistics)
     raise ValueError(f"unknown attack kind {attack.kind!r}")
 
 
@@ -104,6 +108,20 @@ def rewrite_payload(payload: bytes, attack: Attack) -> bytes:
         scales[entry.name] = float(np.float32(scale))
         codecs[entry.name] = entry.codec
     return encode_update(values, _Recode(codecs), scales=scales)
+
+
+def _scaled_statistics(statistics: bytes, factor: float) -> bytes:
+    """BatchNorm statistics with means ``× factor`` and variances ``× factor²`` (capped)."""
+    from fedddl.compression import IdentityCompressor
+
+    stats = decode_update(statistics)
+    for key, value in stats.items():
+        part = key.rpartition(".")[2]
+        power = {"mean": 1, "var": 2}.get(part)
+        if power is not None:
+            wide = value.to(torch.float64) * factor**power
+            stats[key] = wide.clamp(-_FLOAT32_MAX, _FLOAT32_MAX).to(value.dtype)
+    return encode_update(stats, IdentityCompressor())
 
 
 def _dense(tensor: torch.Tensor, attack: Attack) -> torch.Tensor:
