@@ -217,6 +217,7 @@ def main() -> int:
     parser.add_argument(
         "--attacks", default="", help="comma-separated attacks to run ('none': clean; '': all)"
     )
+    parser.add_argument("--columns", default="", help="comma-separated columns to run ('': all)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -224,6 +225,8 @@ def main() -> int:
     wanted = {a if a != "none" else "" for a in args.attacks.split(",")} if args.attacks else None
     for attack, attackers, column in cells():
         if wanted is not None and attack not in wanted:
+            continue
+        if args.columns and column not in args.columns.split(","):
             continue
         path = out / _name(attack, attackers, column)
         if args.tables_only and not path.exists():
