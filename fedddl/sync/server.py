@@ -39,13 +39,14 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from logging import INFO, WARNING, getLogger
 
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from fedddl.checkpoint import CheckpointError, ServerCheckpoint
 from fedddl.compression import (
@@ -571,7 +572,7 @@ class ReplicaServer:
         try:
             read_header(
                 reply.statistics,
-                max_bytes=4096 + 16 * sum(int(m.num_features) + 1 for m in layers.values()),
+                max_bytes=_statistics_max_bytes(layers),
                 max_tensors=3 * len(layers),
             )
             statistics = decode_update(reply.statistics)
@@ -710,6 +711,15 @@ class ReplicaServer:
             f"{type(self).__name__}(compressor={self.compressor_name()!r}, "
             f"downlink={self.downlink!r}, version={self.shadow.version})"
         )
+
+
+def _statistics_max_bytes(layers: Mapping[str, _BatchNorm]) -> int:
+    """Largest acceptable BatchNorm statistics message: per layer three entries (name,
+    header of at most 32 bytes) holding ``2 × channels + 1`` values of at most 8 bytes."""
+    return 64 + sum(
+        3 * (len(name.encode("utf-8")) + 8 + 32) + 8 * (2 * module.num_features + 1)
+        for name, module in layers.items()
+    )
 
 
 def _costly(catch_up: CatchUp) -> bool:
