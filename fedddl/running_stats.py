@@ -87,12 +87,16 @@ class BatchStatsRecorder:
             if not module.training:
                 return
             with torch.no_grad():
-                x = inputs[0].detach().to(torch.float64)
+                x = inputs[0].detach()
+                if x.dtype not in (torch.float32, torch.float64):  # half precision
+                    x = x.float()
                 dims = [d for d in range(x.dim()) if d != 1]
                 count = float(x.numel() // x.shape[1])
-                mean = x.mean(dim=dims)
-                m2 = ((x - mean.view(1, -1, *([1] * (x.dim() - 2)))) ** 2).sum(dim=dims)
-                self._merge(name, count, mean, m2)
+                # One fused pass in fp32 or fp64 (Welford inside var_mean), then
+                # float64 for merging batches: a float64 copy of every activation cost a
+                # third of a ResNet-8 forward pass.
+                var, mean = torch.var_mean(x, dim=dims, correction=0)
+                self._merge(name, count, mean.to(torch.float64), var.to(torch.float64) * count)
 
         return hook
 
