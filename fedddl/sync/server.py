@@ -47,7 +47,7 @@ from fedddl.compression.downlink import (
     encode_shared_sum,
 )
 from fedddl.compression.sharing import max_scales
-from fedddl.replica import Replica, ReplicaError, UpdateLog, check_update, plan_catch_up
+from fedddl.replica import Replica, ReplicaError, UpdateLog, plan_catch_up
 from fedddl.running_stats import StatisticsError, batchnorm_layers, check_statistics
 from fedddl.seeding import derive_seed
 from fedddl.sync import checkpoints
@@ -365,7 +365,7 @@ class ReplicaServer:
                     statistics = self._statistics_of(reply)
                     assert reply.payload is not None
                     decode_update(reply.payload, out=scratch)
-                    check_update(self.shadow.model, scratch)
+                    self.shadow.check_update(scratch)
                 except (PayloadError, ReplicaError, StatisticsError) as err:
                     raise PayloadRejected(f"node {reply.node_id} payload rejected: {err}") from err
                 except Exception as err:  # a decoder bug on hostile input must not end the round
