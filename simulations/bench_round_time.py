@@ -36,17 +36,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="Ray CPUs per client (default: 1, one actor per core)")
     parser.add_argument("--eval-every", type=int, default=0,
                         help="evaluate every N rounds (default: 0, only the last round)")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES),
+                        help="comma-separated subset to run (default: all three)")
     parser.add_argument("--eval-samples", type=int, default=0,
                         help="test samples per evaluation (default: 0, all)")
     args = parser.parse_args(argv)
+    chosen = [s for s in args.strategies.split(",") if s]
+    unknown = sorted(set(chosen) - set(STRATEGIES))
+    if unknown or "terngrad" not in chosen or len(chosen) < 2:
+        parser.error(f"--strategies: terngrad and at least one of {STRATEGIES[1:]} "
+                     f"(unknown: {unknown})")
 
     from fedddl.app_config import AppConfig
     from fedddl.flower.simulation import run
 
-    medians: dict[str, list[float]] = {s: [] for s in STRATEGIES}
-    traffic: dict[str, list[float]] = {s: [] for s in STRATEGIES}
+    medians: dict[str, list[float]] = {s: [] for s in chosen}
+    traffic: dict[str, list[float]] = {s: [] for s in chosen}
     for repeat in range(args.repeats):
-        for strategy in STRATEGIES:
+        for strategy in chosen:
             cfg = AppConfig(
                 num_server_rounds=args.rounds,
                 strategy=strategy,
@@ -70,18 +77,26 @@ def main(argv: list[str] | None = None) -> int:
                 f"{traffic[strategy][-1]:,.0f} B/round up + down)",
                 flush=True,
             )
+            rounds = result["rounds"]
+            curve = [(r["round"], r["accuracy"]) for r in rounds if r["accuracy"] is not None]
+            if len(curve) > 1:
+                print("    accuracy by round: " + ", ".join(f"{n} {a:.4f}" for n, a in curve))
     overall = {s: statistics.median(v) for s, v in medians.items()}
     volume = {s: statistics.median(v) for s, v in traffic.items()}
+    others = [s for s in chosen if s != "terngrad"]
     print(
         "bytes per round (up + down): "
-        + ", ".join(f"{s} {volume[s]:,.0f}" for s in STRATEGIES)
-        + f" (gradient-average/terngrad {volume['gradient-average'] / volume['terngrad']:.1f}x)"
+        + ", ".join(f"{s} {volume[s]:,.0f}" for s in chosen)
+        + " ("
+        + ", ".join(f"{s}/terngrad {volume[s] / volume['terngrad']:.1f}x" for s in others)
+        + ")"
     )
     print(
         "median round: "
-        + ", ".join(f"{s} {overall[s]:.3f} s" for s in STRATEGIES)
-        + f" (terngrad/fedavg {overall['terngrad'] / overall['fedavg']:.2f}, "
-        f"terngrad/gradient-average {overall['terngrad'] / overall['gradient-average']:.2f})"
+        + ", ".join(f"{s} {overall[s]:.3f} s" for s in chosen)
+        + " ("
+        + ", ".join(f"terngrad/{s} {overall['terngrad'] / overall[s]:.2f}" for s in others)
+        + ")"
     )
     return 0
 
