@@ -107,6 +107,16 @@ class Replica:
         self._has_batchnorm = bool(batchnorm_layers(model))
 
     # ------------------------------------------------------------------ updates
+    def check_update(self, update: Mapping[str, torch.Tensor]) -> None:
+        """:func:`check_update` against this replica's model (without walking its modules).
+
+        Raises
+        ------
+        ReplicaError
+            Naming the missing / unexpected parameter, a shape mismatch or non-finite values.
+        """
+        check_tensors_like(self._params, update, what="update", finite=True, error=ReplicaError)
+
     def apply_update(
         self,
         update: Mapping[str, torch.Tensor],
@@ -135,7 +145,7 @@ class Replica:
             raise ReplicaError(
                 f"update produces version {version} but the replica is at {self.version}"
             )
-        check_tensors_like(self._params, update, what="update", finite=True, error=ReplicaError)
+        self.check_update(update)
         if statistics or self._has_batchnorm:
             try:
                 check_statistics(self.model, statistics or {})

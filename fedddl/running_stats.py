@@ -87,12 +87,18 @@ class BatchStatsRecorder:
             if not module.training:
                 return
             with torch.no_grad():
-                x = inputs[0].detach().to(torch.float64)
+                x = inputs[0].detach()
+                if x.dtype not in (torch.float32, torch.float64):  # half precision
+                    x = x.float()
                 dims = [d for d in range(x.dim()) if d != 1]
                 count = float(x.numel() // x.shape[1])
+                # Mean in the activations' precision, squared deviations summed in float64:
+                # 2.5x faster than a float64 copy of every activation (a third of a ResNet-8
+                # forward pass) and than var_mean over the non-contiguous channel dimension.
                 mean = x.mean(dim=dims)
-                m2 = ((x - mean.view(1, -1, *([1] * (x.dim() - 2)))) ** 2).sum(dim=dims)
-                self._merge(name, count, mean, m2)
+                centred = x - mean.view(1, -1, *([1] * (x.dim() - 2)))
+                m2 = (centred * centred).sum(dim=dims, dtype=torch.float64)
+                self._merge(name, count, mean.to(torch.float64), m2)
 
         return hook
 

@@ -3,13 +3,16 @@
 Runs the same configuration with each strategy through ``fedddl simulate``'s Python API
 (Flower's Ray simulation, one actor per ``--cpus-per-client`` CPUs), alternating the
 strategies ``--repeats`` times, and prints each run's median round (the first round, which
-pays Ray's start-up, is left out), then the median over runs and the TernGrad/FedAvg ratio.
+pays Ray's start-up, is left out), its final accuracy and its mean bytes per round, then the
+median over runs and the ratios to FedAvg and to GradientAverage (same seed, same shards).
 
     python simulations/bench_round_time.py --dataset digits --rounds 40
-    python simulations/bench_round_time.py --dataset fashion-mnist --arch resnet8 --rounds 20
+    python simulations/bench_round_time.py --dataset fashion-mnist --arch resnet8 --rounds 100 \
+        --repeats 1 --eval-samples 2000
 
-The last line reads ``median round: terngrad A s, fedavg B s, gradient-average C s
-(terngrad/fedavg R)``.
+The last lines read ``bytes per round (up + down): terngrad A B, ...`` and ``median round:
+terngrad A s, fedavg B s, gradient-average C s (terngrad/fedavg R, terngrad/gradient-average
+Q)``.
 """
 
 from __future__ import annotations
@@ -33,38 +36,67 @@ def main(argv: list[str] | None = None) -> int:
                         help="Ray CPUs per client (default: 1, one actor per core)")
     parser.add_argument("--eval-every", type=int, default=0,
                         help="evaluate every N rounds (default: 0, only the last round)")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES),
+                        help="comma-separated subset to run (default: all three)")
+    parser.add_argument("--eval-samples", type=int, default=0,
+                        help="test samples per evaluation (default: 0, all)")
     args = parser.parse_args(argv)
+    chosen = [s for s in args.strategies.split(",") if s]
+    unknown = sorted(set(chosen) - set(STRATEGIES))
+    if unknown or "terngrad" not in chosen or len(chosen) < 2:
+        parser.error(f"--strategies: terngrad and at least one of {STRATEGIES[1:]} "
+                     f"(unknown: {unknown})")
 
     from fedddl.app_config import AppConfig
     from fedddl.flower.simulation import run
 
-    medians: dict[str, list[float]] = {s: [] for s in STRATEGIES}
+    medians: dict[str, list[float]] = {s: [] for s in chosen}
+    traffic: dict[str, list[float]] = {s: [] for s in chosen}
     for repeat in range(args.repeats):
-        for strategy in STRATEGIES:
+        for strategy in chosen:
             cfg = AppConfig(
                 num_server_rounds=args.rounds,
                 strategy=strategy,
                 dataset=args.dataset,
                 arch=args.arch,
                 eval_every=args.eval_every or args.rounds,
+                eval_samples=args.eval_samples,
             )
             start = time.perf_counter()
             result = run(cfg, num_clients=args.num_clients,
                          num_cpus_per_client=args.cpus_per_client, progress=None)
             walls = [r["wall_s"] for r in result["rounds"][1:]]
             medians[strategy].append(statistics.median(walls))
+            summary = result["summary"]
+            traffic[strategy].append(summary["mean_bytes_up"] + summary["mean_bytes_down"])
             took = time.perf_counter() - start
             print(
                 f"run {repeat + 1} {strategy:16s} median round {medians[strategy][-1]:.3f} s "
                 f"(min {min(walls):.3f}, max {max(walls):.3f}; run {took:.0f} s, "
-                f"accuracy {result['final_accuracy']:.3f})",
+                f"accuracy {result['final_accuracy']:.4f}, "
+                f"{traffic[strategy][-1]:,.0f} B/round up + down)",
                 flush=True,
             )
+            rounds = result["rounds"]
+            curve = [(r["round"], r["accuracy"]) for r in rounds if r["accuracy"] is not None]
+            if len(curve) > 1:
+                print("    accuracy by round: " + ", ".join(f"{n} {a:.4f}" for n, a in curve))
     overall = {s: statistics.median(v) for s, v in medians.items()}
+    volume = {s: statistics.median(v) for s, v in traffic.items()}
+    others = [s for s in chosen if s != "terngrad"]
+    print(
+        "bytes per round (up + down): "
+        + ", ".join(f"{s} {volume[s]:,.0f}" for s in chosen)
+        + " ("
+        + ", ".join(f"{s}/terngrad {volume[s] / volume['terngrad']:.1f}x" for s in others)
+        + ")"
+    )
     print(
         "median round: "
-        + ", ".join(f"{s} {overall[s]:.3f} s" for s in STRATEGIES)
-        + f" (terngrad/fedavg {overall['terngrad'] / overall['fedavg']:.2f})"
+        + ", ".join(f"{s} {overall[s]:.3f} s" for s in chosen)
+        + " ("
+        + ", ".join(f"terngrad/{s} {overall['terngrad'] / overall[s]:.2f}" for s in others)
+        + ")"
     )
     return 0
 

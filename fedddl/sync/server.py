@@ -65,14 +65,7 @@ from fedddl.compression.downlink import (
     encode_shared_sum,
 )
 from fedddl.defenses import Defenses
-from fedddl.replica import (
-    CatchUp,
-    Replica,
-    ReplicaError,
-    UpdateLog,
-    check_update,
-    plan_catch_up,
-)
+from fedddl.replica import CatchUp, Replica, ReplicaError, UpdateLog, plan_catch_up
 from fedddl.running_stats import StatisticsError, batchnorm_layers, check_statistics
 from fedddl.seeding import derive_seed
 from fedddl.sync import checkpoints
@@ -530,7 +523,7 @@ class ReplicaServer:
                             scales[name] = _clip_ternary(scratch[name], bound)
                         else:  # a dense (fp32-exempt) tensor: its values, to +-bound
                             scratch[name].clamp_(-bound, bound)
-                    check_update(self.shadow.model, scratch)
+                    self.shadow.check_update(scratch)
                 except (PayloadError, ReplicaError, StatisticsError) as err:
                     raise PayloadRejected(f"node {reply.node_id} payload rejected: {err}") from err
                 except Exception as err:  # a decoder bug on hostile input must not end the round
