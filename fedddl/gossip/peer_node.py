@@ -9,6 +9,9 @@ Threads of a :class:`PeerNode`:
   snapshot (under the lock), asks the shared :class:`~fedddl.gossip.Scheduler`
   for a partner and ships it; measured transfer times feed the
   :class:`~fedddl.gossip.CommTimeEstimator`. Computation overlaps this.
+  With ``overlap=False`` (classic gossip, the simulator's ``random`` baseline)
+  there is no sender thread: the training thread ships a snapshot after each
+  step (after its ``min_step_s`` pacing) and waits for the send to finish.
 * **state** -- broadcasts the node's :class:`~fedddl.gossip.PeerState` (small
   STATE frames) when its ``enabled`` flag flips, at most every ``state_interval_s``.
 * gRPC workers -- :meth:`PeerNode.handle_frame` validates every frame
@@ -72,6 +75,7 @@ class NodeConfig:
     eval_every: int = 25
     min_step_s: float = 0.0  # pace steps to emulate slower compute
     send_timeout_s: float = 2.0
+    overlap: bool = True  # compute while sending; False: wait for each send after a step
     state_interval_s: float = 0.2
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     seed: int = 0
@@ -211,11 +215,10 @@ class PeerNode:
         self._training.set()
         if not run_threads:
             return
-        for target, name in (
-            (self._train_loop, "train"),
-            (self._send_loop, "sender"),
-            (self._state_loop, "state"),
-        ):
+        loops = [(self._train_loop, "train"), (self._state_loop, "state")]
+        if self.config.overlap:
+            loops.append((self._send_loop, "sender"))
+        for target, name in loops:
             thread = threading.Thread(target=target, name=f"node{self.node_id}-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -335,6 +338,8 @@ class PeerNode:
                 spare = cfg.min_step_s - (time.perf_counter() - step_start)
                 if spare > 0:
                     self._stop.wait(spare)
+                if not cfg.overlap:
+                    self._ship_snapshot()
                 self._steps_per_s = self._step / max(time.perf_counter() - began, 1e-9)
         except Exception as exc:
             self.error = f"training failed: {exc!r}"
@@ -379,18 +384,30 @@ class PeerNode:
             if self._version == last_sent:
                 self._stop.wait(0.002)
                 continue
-            with self._model_lock:
-                version = self._version
-                snapshot = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-            frame = encode_frame(FrameKind.MODEL, self.node_id, self.own_state(), snapshot)
-            peer = self._choose_peer(len(frame))
-            if peer is None:
+            sent = self._ship_snapshot()
+            if sent is None:
                 self._stop.wait(0.005)
-                continue
-            if self._send(peer, frame, is_model=True):
-                last_sent = version
-                with self._state_lock:
-                    self._counters.sent_to[peer] = self._counters.sent_to.get(peer, 0) + 1
+            elif sent >= 0:
+                last_sent = sent
+
+    def _ship_snapshot(self) -> int | None:
+        """Send a snapshot of the model to a scheduled peer.
+
+        Returns its version if it was delivered, -1 if the send failed, None if no
+        peer could be chosen.
+        """
+        with self._model_lock:
+            version = self._version
+            snapshot = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        frame = encode_frame(FrameKind.MODEL, self.node_id, self.own_state(), snapshot)
+        peer = self._choose_peer(len(frame))
+        if peer is None:
+            return None
+        if not self._send(peer, frame, is_model=True):
+            return -1
+        with self._state_lock:
+            self._counters.sent_to[peer] = self._counters.sent_to.get(peer, 0) + 1
+        return version
 
     def _choose_peer(self, frame_bytes: int) -> int | None:
         now = time.monotonic()

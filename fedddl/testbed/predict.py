@@ -1,0 +1,154 @@
+"""What the simulators predict for a testbed run, to set next to what was measured.
+
+Flower runs (:func:`predict_flower`) use the ``fedddl.network`` model on a star:
+SuperNode ``i`` reaches the SuperLink over its own access link (uplink
+``B_up_i``, downlink ``B_down_i``, latency ``L``), all clients in parallel, so a
+synchronous round takes::
+
+    t_round(k) = c(k) + max_i (L + up_i(k) / B_up_i) + max_i (L + down_i(k) / B_down_i)
+
+with ``up_i`` / ``down_i`` the round's byte totals of the application's count
+split evenly over the clients, plus, in round 1, the app bundle (FAB) every
+SuperNode downloads. ``c(k)`` is measured on the *same testbed without limits*
+(a reference run of the same configuration): its round 1 and the median of its
+other rounds. Nothing else of the testbed run enters the prediction except its
+byte counts and its accuracy per round (training is the same with and without
+limits).
+
+Gossip runs (:func:`predict_gossip`) run the discrete-event simulator
+(:func:`fedddl.gossip.run_gossip`) with the same network, nodes, data and
+optimiser, and the peers' measured step time as its compute time.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fedddl.network import NetworkModel
+from fedddl.testbed.netns import LinkRates
+
+__all__ = ["predict_flower", "predict_gossip", "ratio", "star_network"]
+
+
+def star_network(clients: Sequence[LinkRates], latency_s: float = 0.0) -> NetworkModel:
+    """``N + 1``-node network: clients ``0..N-1`` and the server ``N`` on their access links.
+
+    Unlimited directions get 1e12 bytes/s (no measurable time).
+    """
+    n = len(clients)
+    big = 1e12
+    bandwidth = [[big] * (n + 1) for _ in range(n + 1)]
+    for i, rates in enumerate(clients):
+        bandwidth[i][n] = rates.uplink_Bps or big
+        bandwidth[n][i] = rates.downlink_Bps or big
+    latency = [[latency_s] * (n + 1) for _ in range(n + 1)]
+    return NetworkModel(latency, bandwidth, name="star")
+
+
+def predict_flower(
+    result: Mapping[str, Any],
+    reference: Mapping[str, Any],
+    clients: Sequence[LinkRates],
+    *,
+    fab_bytes: int = 0,
+    latency_s: float = 0.0,
+    target: float | None = None,
+) -> dict[str, Any]:
+    """Predicted round times and time to ``target`` of the testbed run ``result``.
+
+    Parameters
+    ----------
+    result, reference : mapping
+        Results JSON of the run and of the unlimited reference run.
+    clients : sequence of LinkRates
+        The run's SuperNode access links.
+    fab_bytes : int
+        Size of the app bundle each SuperNode fetches in round 1.
+    latency_s : float
+        One-way latency of every access link.
+    target : float, optional
+        Accuracy target.
+
+    Returns
+    -------
+    dict
+        ``round_s`` (predicted per round), ``compute_s`` (round 1 and later rounds),
+        ``transfer_s`` (sum over rounds), ``fab_s``, ``total_s`` and ``time_to_target_s``.
+    """
+    rounds = sorted(result["rounds"], key=lambda r: int(r["round"]))
+    ref = [float(r["wall_s"]) for r in sorted(reference["rounds"], key=lambda r: int(r["round"]))]
+    first, later = ref[0], statistics.median(ref[1:]) if len(ref) > 1 else ref[0]
+    n = len(clients)
+    net = star_network(clients, latency_s)
+    server = n
+    times, transfer_total, fab_s = [], 0.0, 0.0
+    for index, record in enumerate(rounds):
+        up, down = int(record["bytes_up"]) / n, int(record["bytes_down"]) / n
+        transfer = max(net.transfer_time(i, server, round(up)) for i in range(n)) if up else 0.0
+        if down:
+            transfer += max(net.transfer_time(server, i, round(down)) for i in range(n))
+        if index == 0 and fab_bytes:
+            fab_s = max(net.transfer_time(server, i, fab_bytes) for i in range(n))
+            transfer += fab_s
+        transfer_total += transfer
+        times.append((first if index == 0 else later) + transfer)
+    reached = None
+    if target is not None:
+        elapsed = 0.0
+        for record, seconds in zip(rounds, times, strict=True):
+            elapsed += seconds
+            if float(record["accuracy"]) >= target:
+                reached = elapsed
+                break
+    return {
+        "round_s": times,
+        "compute_s": {"round1": first, "median_later": later},
+        "transfer_s": transfer_total,
+        "fab_s": fab_s,
+        "total_s": sum(times),
+        "time_to_target_s": reached,
+    }
+
+
+def predict_gossip(
+    result: Mapping[str, Any], network: str, *, eval_interval_s: float = 0.25,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Run the gossip simulator for the configuration of a testbed gossip ``result``.
+
+    The compute time per step is the mean of the peers' measured ``1 / steps_per_s``
+    (pacing included); the simulated span is 1.5x the measured duration.
+    """
+    from fedddl.gossip import run_gossip
+
+    cfg = result["config"]
+    step_s = statistics.mean(1.0 / s for s in result["steps_per_s"])
+    sim = run_gossip({
+        "scheduler": cfg["scheduler"],
+        "overlap": bool(cfg["overlap"]),
+        "network": network,
+        "nodes": int(cfg["nodes"]),
+        "dataset": str(cfg.get("dataset", "digits")),
+        "data_root": str(cfg.get("data-root", "")) or None,
+        "partition": str(cfg.get("partition", "stratified")),
+        "arch": str(cfg.get("arch", "")) or None,
+        "target_accuracy": float(cfg["target_accuracy"]),
+        "max_virtual_time_s": 1.5 * float(result["duration_s"]),
+        "seed": seed,
+        "lr": float(cfg.get("learning-rate", 0.1)),
+        "batch_size": int(cfg.get("batch-size", 32)),
+        "compute_time_s": step_s,
+        "eval_interval_s": eval_interval_s,
+        "eval_samples": 0,
+    })
+    sim["compute_time_s"] = step_s
+    return sim
+
+
+def ratio(measured: float | None, predicted: float | None) -> float | None:
+    """``measured / predicted``, or None when either is missing."""
+    if measured is None or predicted is None or predicted <= 0:
+        return None
+    return measured / predicted
