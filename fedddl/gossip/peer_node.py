@@ -165,6 +165,7 @@ class PeerNode:
         self._version = 0
         self._step = 0
         self._steps_per_s = 0.0
+        self._ship_wait_s = 0.0  # training time spent waiting for sends (overlap=False)
         self._pending: dict[int, tuple[dict[str, torch.Tensor], int]] = {}
         self._receiving = 0  # frames being handled right now: our "downlink" is busy
         self._peer_states: dict[int, PeerState] = {}
@@ -339,7 +340,9 @@ class PeerNode:
                 if spare > 0:
                     self._stop.wait(spare)
                 if not cfg.overlap:
+                    ship_start = time.perf_counter()
                     self._ship_snapshot()
+                    self._ship_wait_s += time.perf_counter() - ship_start
                 self._steps_per_s = self._step / max(time.perf_counter() - began, 1e-9)
         except Exception as exc:
             self.error = f"training failed: {exc!r}"
@@ -497,6 +500,8 @@ class PeerNode:
             "target_steps": self.config.steps,
             "model_version": self._version,
             "steps_per_s": self._steps_per_s,
+            "overlap": self.config.overlap,
+            "ship_wait_s": self._ship_wait_s,
             "finished": self._done.is_set() and self._step >= self.config.steps,
             "received": sum(counters["received_from"].values()),
             "received_from": {str(k): v for k, v in counters["received_from"].items()},
