@@ -71,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gossip.add_argument("--steps", type=int, default=300)
     gossip.add_argument("--min-step-s", type=float, default=0.05, help="pace each SGD step")
     gossip.add_argument("--dataset", default="digits")
+    gossip.add_argument("--arch", default="", help="model (dataset default when empty)")
+    gossip.add_argument("--learning-rate", type=float, default=0.1)
     gossip.add_argument("--eval-every", type=int, default=10)
     gossip.add_argument("--seed", type=int, default=0)
     gossip.add_argument("--target", type=float, required=True)
@@ -130,7 +132,9 @@ def run(args: argparse.Namespace) -> int:
                 network_spec=args.network, nodes=args.nodes,
                 variants=[(v, *_VARIANTS[v]) for v in args.variants.split(",")],
                 peer_options={"steps": args.steps, "min-step-s": args.min_step_s,
-                              "dataset": args.dataset, "eval-every": args.eval_every},
+                              "dataset": args.dataset, "eval-every": args.eval_every,
+                              "learning-rate": args.learning_rate,
+                              **({"arch": args.arch} if args.arch else {})},
                 target=args.target, repeats=args.repeats, out_dir=args.out, seed=args.seed,
                 predict=not args.no_predict,
             )

@@ -2,9 +2,10 @@
 
 Threads of a :class:`PeerNode`:
 
-* **training** -- SGD steps on the node's shard; between steps it merges the
-  models received since the previous step (under the model lock) and
-  evaluates every ``eval_every`` steps. It never waits on the network.
+* **training** -- SGD steps on the node's shard; before each step it merges the
+  models received since the previous one (under the model lock), so the step
+  starts from the merged model as in the simulator, and it evaluates every
+  ``eval_every`` steps. It never waits on the network (except with ``overlap=False``).
 * **sender** -- whenever the model advanced since its last send, takes a
   snapshot (under the lock), asks the shared :class:`~fedddl.gossip.Scheduler`
   for a partner and ships it; measured transfer times feed the
@@ -329,10 +330,14 @@ class PeerNode:
                 step_start = time.perf_counter()
                 x, y = next(batches)
                 with self._model_lock:
+                    # Average in what arrived since the last step, then step on the merged
+                    # model (as the simulator does: merge on arrival, the next step starts
+                    # from the merged model). Stepping first and merging after would halve
+                    # every step followed by a merge (weight 0.5).
+                    self._merge_pending_locked()
                     compute_gradients(self.model, x, y)
                     self._optimizer.step()
                     self._version += 1
-                    self._merge_pending_locked()
                 self._step += 1
                 if self._step % cfg.eval_every == 0 or self._step == cfg.steps:
                     self._record_accuracy()

@@ -21,7 +21,7 @@ from fedddl.network import NetworkModel
 from fedddl.testbed.flower_run import FlowerTestbed
 from fedddl.testbed.gossip_run import run_gossip_testbed
 from fedddl.testbed.netns import LinkRates
-from fedddl.testbed.predict import predict_flower, predict_gossip, ratio
+from fedddl.testbed.predict import message_overhead, predict_flower, predict_gossip, ratio
 
 __all__ = ["client_rates", "flower_matrix", "gossip_matrix"]
 
@@ -154,13 +154,18 @@ def gossip_matrix(
                 network, out / name, scheduler=scheduler, overlap=overlap, target=target,
                 peer_options={"seed": seed, **peer_options},
             )
-            sim = predict_gossip(result, network_spec, seed=seed) if predict else None
-            if sim is not None:
-                result["prediction"] = {k: sim[k] for k in (
-                    "time_to_target_s", "curve", "messages", "bytes_total", "final_accuracy",
-                    "compute_time_s", "stale_merges")}
+            overhead = message_overhead(result, network)
+            sims = []
+            if predict:  # the profile as it is, then with the measured per-message overhead
+                for extra in (0.0, overhead):
+                    sim = predict_gossip(result, network_spec, seed=seed, message_overhead_s=extra)
+                    sims.append({k: sim[k] for k in (
+                        "time_to_target_s", "curve", "messages", "bytes_total", "final_accuracy",
+                        "compute_time_s", "stale_merges", "message_overhead_s")})
+                result["prediction"], result["prediction_with_overhead"] = sims
             _save(out / f"{name}.json", result)
-            predicted = None if sim is None else sim["time_to_target_s"]
+            predicted = sims[0]["time_to_target_s"] if sims else None
+            calibrated = sims[1]["time_to_target_s"] if sims else None
             rows.append({
                 "variant": label, "rep": rep,
                 "final_accuracy": result["final_accuracy"],
@@ -171,7 +176,11 @@ def gossip_matrix(
                 "time_to_target_s": result["time_to_target_s"],
                 "predicted_time_to_target_s": predicted,
                 "ratio": ratio(result["time_to_target_s"], predicted),
-                "predicted_messages": None if sim is None else sim["messages"],
+                "predicted_messages": sims[0]["messages"] if sims else None,
+                "message_overhead_ms": 1000 * overhead,
+                "calibrated_time_to_target_s": calibrated,
+                "calibrated_ratio": ratio(result["time_to_target_s"], calibrated),
+                "calibrated_messages": sims[1]["messages"] if sims else None,
                 "load_avg": result["testbed"]["load_avg_after"][0],
             })
     _write_summary(out, rows, _GOSSIP_COLUMNS, f"Gossip peers on the testbed ({network.name})")
@@ -183,7 +192,11 @@ _GOSSIP_COLUMNS = [
     ("step_s", "s/step"), ("messages", "models sent"), ("app_MB", "app MB"),
     ("wire_MB", "wire MB"), ("time_to_target_s", "measured s to target"),
     ("predicted_time_to_target_s", "simulator s"), ("ratio", "measured/simulated"),
-    ("predicted_messages", "simulator models sent"), ("load_avg", "load (1 min)"),
+    ("predicted_messages", "simulator models sent"),
+    ("message_overhead_ms", "measured overhead/message (ms)"),
+    ("calibrated_time_to_target_s", "simulator + overhead s"),
+    ("calibrated_ratio", "measured/(simulator + overhead)"),
+    ("calibrated_messages", "simulator + overhead models sent"), ("load_avg", "load (1 min)"),
 ]
 
 

@@ -17,19 +17,25 @@ limits).
 
 Gossip runs (:func:`predict_gossip`) run the discrete-event simulator
 (:func:`fedddl.gossip.run_gossip`) with the same network, nodes, data and
-optimiser, and the peers' measured step time as its compute time.
+optimiser, and the peers' measured step time as its compute time. Optionally
+every link's latency is raised by a per-message software overhead
+(:func:`message_overhead`: what the peers' measured transfer times exceed the
+network model's by), to test whether that overhead explains a difference.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
+import tempfile
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from fedddl.network import NetworkModel
 from fedddl.testbed.netns import LinkRates
 
-__all__ = ["predict_flower", "predict_gossip", "ratio", "star_network"]
+__all__ = ["message_overhead", "predict_flower", "predict_gossip", "ratio", "star_network"]
 
 
 def star_network(clients: Sequence[LinkRates], latency_s: float = 0.0) -> NetworkModel:
@@ -112,29 +118,49 @@ def predict_flower(
     }
 
 
+def message_overhead(result: Mapping[str, Any], network: NetworkModel) -> float:
+    """Mean seconds by which the peers' measured model transfers exceed the model's time.
+
+    Weighted by the number of models sent on each link; a model message has the
+    size the peers sent on average.
+    """
+    nodes = result["nodes"]
+    size = sum(int(m["bytes_sent"]) for m in nodes) / max(1, sum(int(m["sent"]) for m in nodes))
+    excess, count = 0.0, 0
+    for m in nodes:
+        i = int(m["node_id"])
+        for peer, seconds in m["mean_transfer_s"].items():
+            sent = int(m["sent_to"].get(peer, 0))
+            excess += sent * (float(seconds) - network.transfer_time(i, int(peer), round(size)))
+            count += sent
+    return excess / count if count else 0.0
+
+
 def predict_gossip(
     result: Mapping[str, Any], network: str, *, eval_interval_s: float = 0.25,
-    seed: int = 0,
+    seed: int = 0, message_overhead_s: float = 0.0,
 ) -> dict[str, Any]:
     """Run the gossip simulator for the configuration of a testbed gossip ``result``.
 
     The compute time per step is the peers' mean measured time per step (pacing
     included) without the time spent waiting for sends (classic gossip waits
     after every step; the simulator adds that wait itself); the simulated span is
-    1.5x the measured duration.
+    1.5x the measured duration. ``message_overhead_s`` is added to every link's latency.
     """
     from fedddl.gossip import run_gossip
+    from fedddl.network import load_network
 
     cfg = result["config"]
+    nodes = int(cfg["nodes"])
     step_s = statistics.mean(
         1.0 / float(m["steps_per_s"]) - float(m.get("ship_wait_s", 0.0)) / int(m["steps"])
         for m in result["nodes"]
     )
-    sim = run_gossip({
+    config = {
         "scheduler": cfg["scheduler"],
         "overlap": bool(cfg["overlap"]),
         "network": network,
-        "nodes": int(cfg["nodes"]),
+        "nodes": nodes,
         "dataset": str(cfg.get("dataset", "digits")),
         "data_root": str(cfg.get("data-root", "")) or None,
         "partition": str(cfg.get("partition", "stratified")),
@@ -147,8 +173,21 @@ def predict_gossip(
         "compute_time_s": step_s,
         "eval_interval_s": eval_interval_s,
         "eval_samples": 0,
-    })
+    }
+    if not message_overhead_s:
+        sim = run_gossip(config)
+    else:
+        data = load_network(network, nodes, seed=seed).to_dict()
+        data["latency_s"] = [
+            [0.0 if i == j else float(lat) + message_overhead_s for j, lat in enumerate(row)]
+            for i, row in enumerate(data["latency_s"])
+        ]
+        with tempfile.TemporaryDirectory(prefix="fedddl-net-") as tmp:
+            path = Path(tmp) / "network-plus-overhead.json"
+            path.write_text(json.dumps(data))
+            sim = run_gossip({**config, "network": str(path)})
     sim["compute_time_s"] = step_s
+    sim["message_overhead_s"] = message_overhead_s
     return sim
 
 
