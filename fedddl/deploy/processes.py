@@ -467,7 +467,7 @@ def start_supernode(
     wait_ready : bool
         Wait for the ``SuperNode ID:`` log line (sets ``node_id``).
     timeout_s : float
-        How long to wait for it.
+        How long to wait for it (and for the warm ClientApp server to be ready).
     prefix : sequence of str
         Command prefix of the SuperNode and its warm ClientApp server (e.g. to run
         both in one network namespace: the ClientApps reach the SuperNode on loopback).
@@ -488,7 +488,7 @@ def start_supernode(
     if warm_clientapp_preload is not None:
         warm_server, warm_env = start_warm_clientapp_server(
             f"{name}-warm-clientapp", log_dir, env=env, preload=warm_clientapp_preload,
-            prefix=prefix,
+            prefix=prefix, timeout_s=timeout_s,
         )
         env = {**env, **warm_env}
     process = _spawn(name, argv, Path(log_dir) / f"{name}.log", env, prefix=prefix)
