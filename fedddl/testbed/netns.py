@@ -125,10 +125,11 @@ def _bits(rate_Bps: float) -> str:
 
 
 def _burst(rate_Bps: float) -> str:
-    # At least four MTU-sized packets and 10 ms worth of the rate, so that late qdisc
-    # timers on a loaded machine do not lose tokens (measured: 4 ms / 2 packets could
-    # halve a 4 Mbit/s link while other jobs loaded both cores).
-    return f"{max(6000, round(rate_Bps * 0.01))}b"
+    # Two MTU-sized packets or 2 ms worth of the rate: enough for the qdisc timers, and
+    # small against a model message, so that a message on an idle link is not sent at
+    # line rate from a full bucket (10 ms let a 19.5 kB model cross a 20 Mbit/s link
+    # 5-8 ms sooner than its 7.8 ms serialisation).
+    return f"{max(3200, round(rate_Bps * 0.002))}b"
 
 
 def check_support() -> None:
