@@ -17,10 +17,12 @@ limits).
 
 Gossip runs (:func:`predict_gossip`) run the discrete-event simulator
 (:func:`fedddl.gossip.run_gossip`) with the same network, nodes, data and
-optimiser, and the peers' measured step time as its compute time. Optionally
-every link's latency is raised by a per-message software overhead
-(:func:`message_overhead`: what the peers' measured transfer times exceed the
-network model's by), to test whether that overhead explains a difference.
+optimiser, and the peers' measured step time as its compute time. For a
+*corrected* prediction, the receiver's downlink is not held during a transfer's
+latency (``downlink_holds_latency=False``, see :class:`fedddl.network.LinkScheduler`)
+and every link's latency is raised by the measured per-message software overhead
+(:func:`message_overhead`: what the peers' transfer times exceed the network
+model's by).
 """
 
 from __future__ import annotations
@@ -138,14 +140,15 @@ def message_overhead(result: Mapping[str, Any], network: NetworkModel) -> float:
 
 def predict_gossip(
     result: Mapping[str, Any], network: str, *, eval_interval_s: float = 0.25,
-    seed: int = 0, message_overhead_s: float = 0.0,
+    seed: int = 0, message_overhead_s: float = 0.0, downlink_holds_latency: bool = True,
 ) -> dict[str, Any]:
     """Run the gossip simulator for the configuration of a testbed gossip ``result``.
 
     The compute time per step is the peers' mean measured time per step (pacing
     included) without the time spent waiting for sends (classic gossip waits
     after every step; the simulator adds that wait itself); the simulated span is
-    1.5x the measured duration. ``message_overhead_s`` is added to every link's latency.
+    1.5x the measured duration. ``message_overhead_s`` is added to every link's latency;
+    ``downlink_holds_latency`` is passed to the simulator.
     """
     from fedddl.gossip import run_gossip
     from fedddl.network import load_network
@@ -173,6 +176,7 @@ def predict_gossip(
         "compute_time_s": step_s,
         "eval_interval_s": eval_interval_s,
         "eval_samples": 0,
+        "downlink_holds_latency": downlink_holds_latency,
     }
     if not message_overhead_s:
         sim = run_gossip(config)
@@ -188,6 +192,7 @@ def predict_gossip(
             sim = run_gossip({**config, "network": str(path)})
     sim["compute_time_s"] = step_s
     sim["message_overhead_s"] = message_overhead_s
+    sim["downlink_holds_latency"] = downlink_holds_latency
     return sim
 
 
