@@ -61,6 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flower.add_argument("--target", type=float, required=True, help="accuracy target")
     flower.add_argument("--repeats", type=int, default=1)
     flower.add_argument("--insecure", action="store_true", help="no TLS / SuperNode auth")
+    flower.add_argument("--resume", action="store_true",
+                        help="reuse results already in --out (e.g. the unlimited references)")
     flower.add_argument("--out", required=True, help="output directory")
 
     gossip = sub.add_parser("gossip", help="real gossip peers, one per namespace; the simulator")
@@ -120,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
                 strategies=[s for s in args.strategies.split(",") if s],
                 run_config=parse_run_config(args.run_config), target=args.target,
                 repeats=args.repeats, out_dir=args.out, app_dir=_REPO_ROOT,
-                tls=not args.insecure,
+                tls=not args.insecure, resume=args.resume,
             )
         else:
             from fedddl.testbed.compare import gossip_matrix

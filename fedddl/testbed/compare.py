@@ -11,6 +11,7 @@ time to target.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fedddl.network import NetworkModel
-from fedddl.testbed.flower_run import FlowerTestbed
+from fedddl.testbed.flower_run import FlowerTestbed, time_to_target
 from fedddl.testbed.gossip_run import run_gossip_testbed
 from fedddl.testbed.netns import LinkRates
 from fedddl.testbed.predict import message_overhead, predict_flower, predict_gossip, ratio
@@ -62,22 +63,37 @@ def flower_matrix(
     out_dir: str | os.PathLike[str],
     app_dir: str | os.PathLike[str],
     tls: bool = True,
+    resume: bool = False,
 ) -> list[dict[str, Any]]:
-    """Run every (repetition, network, strategy) on one deployment; return the summary rows."""
+    """Run every (repetition, network, strategy) on one deployment; return the summary rows.
+
+    With ``resume``, a run whose results file exists in ``out_dir`` is read instead
+    of run again (e.g. the unlimited references of an earlier call).
+    """
     out = Path(out_dir)
     unlimited = [LinkRates()] * supernodes
     links = [("unlimited", unlimited)] + [(name, client_rates(net)) for name, net in networks]
     latency = {name: float(net.latency_s.max()) for name, net in networks}
     rows: list[dict[str, Any]] = []
-    with FlowerTestbed(unlimited, out / "deployment", app_dir, tls=tls) as bed:
+    with contextlib.ExitStack() as stack:
+        bed: FlowerTestbed | None = None  # started at the first run that is not resumed
         for rep in range(repeats):
             references: dict[str, dict[str, Any]] = {}
             for link, rates in links:
-                bed.set_client_rates(rates)
                 for strategy in strategies:
                     name = f"{link}-{strategy}-rep{rep}"
-                    result = bed.run({**run_config, "strategy": strategy}, name, target=target)
-                    result["testbed"]["network"] = link
+                    done = out / f"{name}.json"
+                    if resume and done.exists():
+                        result = json.loads(done.read_text())
+                    else:
+                        if bed is None:
+                            bed = stack.enter_context(
+                                FlowerTestbed(unlimited, out / "deployment", app_dir, tls=tls))
+                        bed.set_client_rates(rates)
+                        result = bed.run({**run_config, "strategy": strategy}, name,
+                                         target=target)
+                    result["testbed"].update(network=link, target=target,
+                                             time_to_target_s=time_to_target(result, target))
                     if link == "unlimited":
                         references[strategy] = result
                     reference = references[strategy]
