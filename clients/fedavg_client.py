@@ -5,26 +5,27 @@ from __future__ import annotations
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 
-from clients.localized import model_factory
 from clients.shard import load_shard, partition_of
 from fedddl.app_config import AppConfig
-from strategies.strategy_utils import derive_seed
+from fedddl.devices import resolve_device
+from fedddl.flower.protocol import FEDAVG_ARRAYS
+from fedddl.seeding import derive_seed
 
 __all__ = ["handle_fedavg_evaluate", "handle_fedavg_train"]
 
 
 def _model_from(message: Message, cfg: AppConfig) -> torch.nn.Module:
-    arrays = message.content.array_records.get("arrays")
+    arrays = message.content.array_records.get(FEDAVG_ARRAYS)
     if arrays is None:
-        raise ValueError("FedAvg message has no 'arrays' ArrayRecord")
-    model = model_factory(cfg)()
+        raise ValueError(f"FedAvg message has no {FEDAVG_ARRAYS!r} ArrayRecord")
+    model = cfg.model_factory(device=resolve_device(cfg.device))()
     model.load_state_dict(arrays.to_torch_state_dict(), strict=True)
     return model
 
 
 def handle_fedavg_train(message: Message, context: Context, cfg: AppConfig) -> Message:
     """Load the global weights, run ``local-steps`` SGD steps on the shard, reply weights."""
-    from fedddl.training import compute_gradients, iterate_minibatches
+    from fedddl.training import iterate_minibatches, local_sgd
 
     model = _model_from(message, cfg)
     pid, num = partition_of(context.node_config)
@@ -34,19 +35,11 @@ def handle_fedavg_train(message: Message, context: Context, cfg: AppConfig) -> M
     generator = torch.Generator().manual_seed(derive_seed(cfg.seed, pid, server_round, 3))
     batches = iterate_minibatches(x, y, min(cfg.batch_size, x.shape[0]), generator)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.learning_rate, momentum=cfg.momentum)
-    losses = []
-    examples = 0
-    for _ in range(cfg.local_steps):
-        xb, yb = next(batches)
-        losses.append(compute_gradients(model, xb, yb))
-        optimizer.step()
-        examples += int(xb.shape[0])
+    loss, examples = local_sgd(model, batches, cfg.local_steps, optimizer)
     content = RecordDict(
         {
-            "arrays": ArrayRecord(model.state_dict()),
-            "metrics": MetricRecord(
-                {"num-examples": examples, "train-loss": sum(losses) / len(losses)}
-            ),
+            FEDAVG_ARRAYS: ArrayRecord(model.state_dict()),
+            "metrics": MetricRecord({"num-examples": examples, "train-loss": loss}),
         }
     )
     return Message(content=content, reply_to=message)

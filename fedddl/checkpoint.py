@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from fedddl.framing import check_magic
+
 __all__ = [
     "CHECKPOINT_FORMAT_VERSION",
     "CheckpointError",
@@ -263,13 +265,14 @@ def load_checkpoint(path: str | Path) -> ServerCheckpoint:
             f"{_HEADER.size}-byte header"
         )
     magic, fmt, length, digest = _HEADER.unpack_from(data)
-    if magic != _MAGIC:
-        raise CheckpointError(f"{source} is not a fedddl checkpoint (bad magic {magic!r})")
-    if fmt != CHECKPOINT_FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint {source} has format version {fmt}; this fedddl reads "
-            f"version {CHECKPOINT_FORMAT_VERSION}"
-        )
+    check_magic(
+        f"checkpoint {source}",
+        magic,
+        fmt,
+        expected_magic=_MAGIC,
+        expected_version=CHECKPOINT_FORMAT_VERSION,
+        error=CheckpointError,
+    )
     body = data[_HEADER.size:]
     if len(body) != length:
         raise CheckpointError(

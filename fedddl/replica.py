@@ -26,7 +26,7 @@ resync_cost``), bytes of the catch-up message: missed 1 → 1,198; 2 → 2,328;
 4 → 4,588; 8 → 9,108; 16 → snapshot, 38,975. A size-8 log holds about 9 kB.
 
 This module is torch-only (no Flower): records conversion lives in
-``strategies.strategy_utils``.
+:mod:`fedddl.flower.records`.
 """
 
 from __future__ import annotations
@@ -37,6 +37,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from fedddl.running_stats import (
+    StatisticsError,
+    apply_statistics,
+    batchnorm_layers,
+    check_statistics,
+)
+from fedddl.training import check_parameter_tensors
 
 __all__ = [
     "CatchUp",
@@ -56,40 +64,14 @@ class ReplicaError(ValueError):
 
 
 def check_update(model: nn.Module, update: Mapping[str, torch.Tensor]) -> None:
-    """Check that ``update`` holds one finite tensor per trainable parameter of ``model``.
-
-    Parameters
-    ----------
-    model : torch.nn.Module
-        Model whose ``named_parameters`` (requiring grad) the update must match.
-    update : Mapping[str, torch.Tensor]
-        Parameter name to gradient-like tensor.
+    """Check that ``update`` holds one finite float tensor per trainable parameter of ``model``.
 
     Raises
     ------
     ReplicaError
         Naming the missing / unexpected parameter, a shape mismatch or non-finite values.
     """
-    expected = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    missing = sorted(set(expected) - set(update))
-    extra = sorted(set(update) - set(expected))
-    if missing or extra:
-        raise ReplicaError(
-            f"update names do not match the model: missing {missing}, unexpected {extra}"
-        )
-    for name, param in expected.items():
-        tensor = update[name]
-        if not isinstance(tensor, torch.Tensor):
-            raise ReplicaError(f"update entry {name!r} is not a tensor")
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise ReplicaError(
-                f"update entry {name!r} has shape {tuple(tensor.shape)}, "
-                f"parameter has {tuple(param.shape)}"
-            )
-        if not torch.is_floating_point(tensor):
-            raise ReplicaError(f"update entry {name!r} has non-float dtype {tensor.dtype}")
-        if not bool(torch.isfinite(tensor).all()):
-            raise ReplicaError(f"update entry {name!r} has non-finite values")
+    check_parameter_tensors(model, update, what="update", finite=True, error=ReplicaError)
 
 
 class Replica:
@@ -124,7 +106,12 @@ class Replica:
         )
 
     # ------------------------------------------------------------------ updates
-    def apply_update(self, update: Mapping[str, torch.Tensor], version: int) -> None:
+    def apply_update(
+        self,
+        update: Mapping[str, torch.Tensor],
+        version: int,
+        statistics: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
         """Apply one decoded broadcast update with the shared optimiser.
 
         Parameters
@@ -133,21 +120,32 @@ class Replica:
             Parameter name to aggregated (pseudo-)gradient.
         version : int
             The version this update produces; must be ``self.version + 1``.
+        statistics : Mapping[str, torch.Tensor] | None
+            The round's pooled BatchNorm statistics (:mod:`fedddl.running_stats`); required
+            exactly when the model has BatchNorm layers.
 
         Raises
         ------
         ReplicaError
-            On a version gap or an update that does not fit the model (state unchanged).
+            On a version gap, or an update or statistics that do not fit the model (the
+            replica is unchanged then).
         """
         if version != self.version + 1:
             raise ReplicaError(
                 f"update produces version {version} but the replica is at {self.version}"
             )
         check_update(self.model, update)
+        if statistics or batchnorm_layers(self.model):
+            try:
+                check_statistics(self.model, statistics or {})
+            except StatisticsError as err:
+                raise ReplicaError(f"update statistics: {err}") from err
         for name, param in self._params.items():
-            param.grad = update[name].detach().to(param.dtype).clone()
+            param.grad = update[name].detach().to(device=param.device, dtype=param.dtype).clone()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if statistics:
+            apply_statistics(self.model, statistics)
         self.version = version
 
     def fingerprint(self) -> str:
@@ -219,7 +217,8 @@ class Replica:
         self.optimizer.state.clear()
         for k, v in mom_part.items():
             param = self._params[k]
-            self.optimizer.state[param] = {"momentum_buffer": v.detach().to(param.dtype).clone()}
+            buffer = v.detach().to(device=param.device, dtype=param.dtype).clone()
+            self.optimizer.state[param] = {"momentum_buffer": buffer}
         self.version = version
 
 

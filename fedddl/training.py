@@ -7,16 +7,19 @@ minibatch stream over in-memory tensors.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
 from torch.nn import functional
 
 __all__ = [
+    "check_parameter_tensors",
     "compute_gradients",
     "evaluate",
     "iterate_minibatches",
+    "local_sgd",
+    "model_device",
     "named_gradients",
     "parameters_fingerprint",
     "set_gradients",
@@ -36,6 +39,7 @@ def compute_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> flo
     """Zero the gradients, run forward and backward of the mean cross-entropy loss.
 
     The model's current mode (train/eval) is used as is. Gradients are left in ``.grad``.
+    The batch is moved to the model's device (a no-op when it is there already).
 
     Parameters
     ----------
@@ -52,10 +56,20 @@ def compute_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> flo
         The loss value.
     """
     _check_batch(x, y)
+    device = model_device(model)
     model.zero_grad(set_to_none=False)
-    loss = functional.cross_entropy(model(x), y)
+    loss = functional.cross_entropy(model(x.to(device)), y.to(device))
     loss.backward()  # type: ignore[no-untyped-call]
     return float(loss.detach())
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (or buffer); the CPU for an empty model."""
+    for param in model.parameters():
+        return param.device
+    for buffer in model.buffers():
+        return buffer.device
+    return torch.device("cpu")
 
 
 def _trainable(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -70,42 +84,114 @@ def named_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def set_gradients(model: nn.Module, grads: Mapping[str, torch.Tensor]) -> None:
-    """Write ``grads`` into the ``.grad`` of the model's trainable parameters.
+def check_parameter_tensors(
+    model: nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    what: str = "gradient",
+    finite: bool = False,
+    error: type[Exception] = ValueError,
+) -> None:
+    """Check that ``tensors`` holds one floating tensor per trainable parameter of ``model``.
 
-    Every name, shape and dtype is validated before anything is written, so a bad
-    mapping leaves the model untouched.
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Model whose trainable parameters (``requires_grad``) the tensors must match.
+    tensors : Mapping[str, torch.Tensor]
+        Parameter name to tensor.
+    what : str
+        What the tensors are, for the messages (``"gradient"``, ``"update"``, ...).
+    finite : bool
+        Also reject NaN and Inf values.
+    error : type[Exception]
+        The exception class to raise.
 
     Raises
     ------
-    KeyError
-        If names are missing from or unknown to the model.
-    ValueError
-        If a shape differs or a gradient is not a floating-point tensor.
+    error
+        Naming the missing or unexpected names, a shape mismatch, a non-float dtype or
+        non-finite values.
     """
     params = _trainable(model)
-    missing = sorted(set(params) - set(grads))
-    unknown = sorted(set(grads) - set(params))
+    missing = sorted(set(params) - set(tensors))
+    unknown = sorted(set(tensors) - set(params))
     if missing or unknown:
-        raise KeyError(
-            f"gradient names do not match the model: missing {missing}, unknown {unknown}"
-        )
-    for name, p in params.items():
-        g = grads[name]
-        if not isinstance(g, torch.Tensor) or not g.is_floating_point():
-            raise ValueError(f"gradient {name!r} must be a floating-point tensor")
-        if g.shape != p.shape:
-            raise ValueError(
-                f"gradient {name!r} has shape {tuple(g.shape)}, parameter has {tuple(p.shape)}"
+        raise error(f"{what} names do not match the model: missing {missing}, unexpected {unknown}")
+    for name, param in params.items():
+        tensor = tensors[name]
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            raise error(f"{what} {name!r} must be a floating-point tensor")
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise error(
+                f"{what} {name!r} has shape {tuple(tensor.shape)}, "
+                f"parameter has {tuple(param.shape)}"
             )
-    for name, p in params.items():
+        if finite and not bool(torch.isfinite(tensor).all()):
+            raise error(f"{what} {name!r} has non-finite values")
+
+
+def set_gradients(model: nn.Module, grads: Mapping[str, torch.Tensor]) -> None:
+    """Write ``grads`` into the ``.grad`` of the model's trainable parameters.
+
+    Every name, shape and dtype is validated (:func:`check_parameter_tensors`) before
+    anything is written, so a bad mapping leaves the model untouched.
+
+    Raises
+    ------
+    ValueError
+        If names are missing or unknown, a shape differs or a gradient is not a
+        floating-point tensor.
+    """
+    check_parameter_tensors(model, grads)
+    for name, p in _trainable(model).items():
         p.grad = grads[name].detach().to(device=p.device, dtype=p.dtype).clone()
+
+
+def local_sgd(
+    model: nn.Module,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    steps: int,
+    optimizer: torch.optim.Optimizer | None,
+    on_gradient: Callable[[], None] | None = None,
+) -> tuple[float, int]:
+    """Run ``steps`` minibatch steps on ``model``: gradient, ``on_gradient()``, optimiser step.
+
+    The one local training loop of fedddl: stock FedAvg clients pass their momentum SGD
+    optimiser; the localized-replica clients pass plain SGD on a copy (or ``None`` for a
+    single gradient) and collect the gradients in ``on_gradient``.
+
+    Returns
+    -------
+    tuple[float, int]
+        The mean loss over the steps and the number of examples used.
+
+    Raises
+    ------
+    ValueError
+        If ``steps`` < 1.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    losses: list[float] = []
+    examples = 0
+    for _ in range(steps):
+        xb, yb = next(batches)
+        losses.append(compute_gradients(model, xb, yb))
+        examples += int(xb.shape[0])
+        if on_gradient is not None:
+            on_gradient()
+        if optimizer is not None:
+            optimizer.step()
+    return sum(losses) / len(losses), examples
 
 
 def evaluate(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
 ) -> tuple[float, float]:
     """Return ``(mean cross-entropy loss, accuracy)`` over ``x, y``, in eval mode, no grad.
+
+    Batches are moved to the model's device.
 
     The model's previous train/eval mode is restored afterwards.
 
@@ -118,14 +204,15 @@ def evaluate(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     was_training = model.training
+    device = model_device(model)
     model.eval()
     total_loss = 0.0
     correct = 0
     try:
         with torch.no_grad():
             for start in range(0, x.shape[0], batch_size):
-                logits = model(x[start : start + batch_size])
-                labels = y[start : start + batch_size]
+                logits = model(x[start : start + batch_size].to(device))
+                labels = y[start : start + batch_size].to(device)
                 total_loss += float(functional.cross_entropy(logits, labels, reduction="sum"))
                 correct += int((logits.argmax(dim=1) == labels).sum())
     finally:

@@ -11,7 +11,7 @@ prints a table. Each configuration adds one change to the previous one:
                        replies every 3 s, train + evaluate message per round);
 * ``+superexec-poll``  ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL=0.1`` (Flower's env variable);
 * ``+grid-poll``       ServerApp wraps its grid in ``FastPollGrid`` (50 ms pulls);
-* ``+supernode-poll``  SuperNodes run via ``fedddl.deploy.fast_supernode`` (0.2 s);
+* ``+supernode-poll``  SuperNodes run via ``fedddl.flower.fast_supernode`` (0.2 s);
 * ``+train-only``      no separate evaluate message (one message per node per round;
                        evaluate centrally or piggy-back metrics on the train reply);
 * ``+warm-clientapp``  ClientApp processes fork from a per-SuperNode server that

@@ -17,26 +17,7 @@ from fedddl.app_config import AppConfig
 from strategies.gradient_average import GradientAverage
 from strategies.terngrad import TernGrad
 
-__all__ = ["build_strategy", "load_strategy_class", "terngrad_from_config"]
-
-
-def terngrad_from_config(
-    cls: type[TernGrad], cfg: AppConfig, model_fn: Callable[[], nn.Module]
-) -> TernGrad:
-    """Build ``cls`` (TernGrad or a subclass) from an :class:`AppConfig`."""
-    return cls(
-        model_fn,
-        learning_rate=cfg.learning_rate,
-        momentum=cfg.momentum,
-        compressor=cfg.compressor,
-        clip_sigma=cfg.clip_sigma,
-        downlink=cfg.downlink,
-        fraction_train=cfg.fraction_train,
-        min_available_nodes=cfg.min_available_nodes,
-        min_replies=cfg.min_replies,
-        update_log_size=cfg.update_log_size,
-        seed=cfg.seed,
-    )
+__all__ = ["build_strategy", "load_strategy_class"]
 
 
 def load_strategy_class(spec: str) -> type[Strategy]:
@@ -63,9 +44,9 @@ def load_strategy_class(spec: str) -> type[Strategy]:
 def build_strategy(cfg: AppConfig, model_fn: Callable[[], nn.Module]) -> Strategy:
     """Return the strategy named by ``cfg.strategy``."""
     if cfg.strategy == "terngrad":
-        return terngrad_from_config(TernGrad, cfg, model_fn)
+        return TernGrad.from_app_config(cfg, model_fn)
     if cfg.strategy == "gradient-average":
-        return terngrad_from_config(GradientAverage, cfg, model_fn)
+        return GradientAverage.from_app_config(cfg, model_fn)
     if cfg.strategy == "fedavg":
         return FedAvg(
             fraction_train=cfg.fraction_train,
@@ -76,12 +57,7 @@ def build_strategy(cfg: AppConfig, model_fn: Callable[[], nn.Module]) -> Strateg
         )
     cls = load_strategy_class(cfg.strategy)
     factory = getattr(cls, "from_app_config", None)
-    if callable(factory):
-        strategy = factory(cfg, model_fn)
-    elif issubclass(cls, TernGrad):
-        strategy = terngrad_from_config(cls, cfg, model_fn)
-    else:
-        strategy = cls()
+    strategy = factory(cfg, model_fn) if callable(factory) else cls()
     if not isinstance(strategy, Strategy):
         raise ValueError(f"strategy {cfg.strategy!r} did not build a flwr Strategy")
     return strategy

@@ -7,15 +7,19 @@ from ``context.run_config``; :func:`make_server_app` binds a given config and a
 Checkpoint and resume (TernGrad family): with ``checkpoint-dir`` set, the run
 first looks for the newest readable checkpoint there; if one exists it checks
 that the settings in :data:`RESUME_CHECK_KEYS` are unchanged, restores the
-strategy (:meth:`strategies.terngrad.TernGrad.restore`) and runs only the
+strategy (:meth:`~strategies.replica_strategy.ReplicaStrategy.restore`) and runs only the
 remaining ``num-server-rounds - checkpoint.round`` rounds, numbering them
 globally in the results. With ``checkpoint-every = N`` a checkpoint is written
 after every global round divisible by N, and only the newest
 ``checkpoint-keep`` are kept.
 
 In a deployment (Flower's ``HttpGrid``) the grid is wrapped in
-:class:`fedddl.deploy.fast_grid.FastPollGrid` (replies polled every 50 ms instead
+:class:`fedddl.flower.grid.FastPollGrid` (replies polled every 50 ms instead
 of every 3 s). Other grids (simulation, the in-process test grid) are used as given.
+
+The ServerApp asks a strategy for reports, its global model and checkpoints only through
+:class:`strategies.replica_strategy.ReplicaStrategy`; any other Flower strategy runs with
+the byte counts and server-side evaluation alone.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 
 from fedddl.app_config import AppConfig
+from strategies.replica_strategy import ReplicaStrategy
 
 __all__ = ["RESUME_CHECK_KEYS", "app", "make_server_app", "run_server", "summarize"]
 
@@ -48,19 +53,6 @@ RESUME_CHECK_KEYS: tuple[str, ...] = (
     "learning-rate",
     "momentum",
 )
-
-
-def _fast_poll(grid: Grid) -> Grid:
-    """Wrap a deployment ``HttpGrid`` in a :class:`FastPollGrid`; return others unchanged."""
-    try:
-        from flwr.superlink.grid.http_grid import HttpGrid
-    except ImportError:  # another Flower layout: keep Flower's own polling
-        return grid
-    if isinstance(grid, HttpGrid):
-        from fedddl.deploy.fast_grid import FastPollGrid
-
-        return FastPollGrid(grid)
-    return grid
 
 
 def run_server(
@@ -84,33 +76,40 @@ def run_server(
     fedddl.checkpoint.CheckpointError
         If the checkpoint to resume from does not fit this run.
     """
-    from clients.localized import model_factory
     from fedddl.data import as_tensors, load_dataset
-    from strategies.counting_grid import CountingGrid
-    from strategies.recorder import RoundRecorder
+    from fedddl.devices import resolve_device
+    from fedddl.flower.grid import CountingGrid, fast_poll
+    from strategies.recorder import RoundRecorder, evaluation_subset
     from strategies.registry import build_strategy
+    from strategies.replica_strategy import replica_strategy
 
     cfg.import_plugins()
-    model_fn = model_factory(cfg)
+    device = resolve_device(cfg.device)
+    model_fn = cfg.model_factory(device=device)
     strategy = build_strategy(cfg, model_fn)
-    resumed = _resume(strategy, cfg)
+    replica = replica_strategy(strategy)
+    resumed = _resume(replica, strategy, cfg)
     offset = 0 if resumed is None else int(resumed["round"])
     x_test, y_test = as_tensors(load_dataset(cfg.dataset, cfg.data_root or None, split="test"))
-    counting = CountingGrid(_fast_poll(grid))
-    saver = _checkpoint_saver(strategy, cfg) if cfg.checkpoint_every > 0 else None
+    x_test, y_test = evaluation_subset(x_test, y_test, cfg.eval_samples, cfg.seed)
+    counting = CountingGrid(fast_poll(grid))
+    saver = None
+    if replica is not None and cfg.checkpoint_every > 0:
+        saver = _checkpoint_saver(replica, cfg)
     recorder = RoundRecorder(
         model_fn,
         x_test,
         y_test,
         counting,
-        strategy,
+        None if replica is None else replica.round_report,
         cfg.num_server_rounds,
         progress,
         round_offset=offset,
         on_round=saver,
+        global_model=None if replica is None else replica.global_model,
+        eval_every=cfg.eval_every,
     )
-    shadow = getattr(strategy, "shadow", None)
-    initial = shadow.model if shadow is not None else model_fn()
+    initial = replica.global_model() if replica is not None else model_fn()
     remaining = cfg.num_server_rounds - offset
     start = time.perf_counter()
     if remaining > 0:
@@ -124,7 +123,6 @@ def run_server(
         log(INFO, "fedddl: checkpoint round %d >= num-server-rounds, nothing to run", offset)
         recorder(0, ArrayRecord(initial.state_dict()))
     total = time.perf_counter() - start
-    shadow = getattr(strategy, "shadow", None)
     config = cfg.to_run_config()
     config["num-clients"] = len(list(grid.get_node_ids()))
     config["strategy-class"] = f"{type(strategy).__module__}.{type(strategy).__qualname__}"
@@ -135,8 +133,8 @@ def run_server(
         "final_accuracy": recorder.rounds[-1]["accuracy"] if recorder.rounds else None,
         "total_s": total,
         "resumed_from": resumed,
-        "final_version": None if shadow is None else int(shadow.version),
-        "final_fingerprint": None if shadow is None else str(shadow.fingerprint()),
+        "final_version": None if replica is None else replica.model_version(),
+        "final_fingerprint": None if replica is None else _fingerprint(replica),
     }
     result["summary"] = summarize(result)
     log(INFO, "fedddl summary: %s", json.dumps(result["summary"]))
@@ -148,14 +146,22 @@ def run_server(
     return result
 
 
-def _resume(strategy: Strategy, cfg: AppConfig) -> dict[str, Any] | None:
-    """Restore ``strategy`` from the newest checkpoint in ``cfg.checkpoint_dir``, if any."""
-    from fedddl.checkpoint import load_latest_checkpoint
-    from strategies.terngrad import TernGrad
+def _fingerprint(replica: ReplicaStrategy) -> str:
+    from fedddl.training import parameters_fingerprint
 
-    if cfg.checkpoint_every > 0 and not isinstance(strategy, TernGrad):
+    return parameters_fingerprint(replica.global_model())
+
+
+def _resume(
+    replica: ReplicaStrategy | None, strategy: Strategy, cfg: AppConfig
+) -> dict[str, Any] | None:
+    """Restore ``replica`` from the newest checkpoint in ``cfg.checkpoint_dir``, if any."""
+    from fedddl.checkpoint import load_latest_checkpoint
+
+    if cfg.checkpoint_every > 0 and replica is None:
         raise ValueError(
-            f"checkpoint-every needs a TernGrad-family strategy, not {type(strategy).__name__}"
+            "checkpoint-every needs a TernGrad-family strategy (a ReplicaStrategy, which "
+            f"checkpoints), not {type(strategy).__name__}"
         )
     if not cfg.checkpoint_dir:
         return None
@@ -164,30 +170,28 @@ def _resume(strategy: Strategy, cfg: AppConfig) -> dict[str, Any] | None:
         log(INFO, "fedddl: no checkpoint in %s, starting from round 0", cfg.checkpoint_dir)
         return None
     path, ckpt = found
-    if not isinstance(strategy, TernGrad):
+    if replica is None:
         raise ValueError(
             f"cannot resume {type(strategy).__name__} from {path}: only TernGrad-family "
-            "strategies are checkpointed"
+            "strategies (a ReplicaStrategy) are checkpointed"
         )
     ckpt.check_config(cfg.to_run_config(), RESUME_CHECK_KEYS)
-    strategy.restore(ckpt)
+    replica.restore(ckpt)
     log(INFO, "fedddl: resumed from %s (round %d, version %d)", path, ckpt.round, ckpt.version)
     return {"round": ckpt.round, "version": ckpt.version, "path": str(path)}
 
 
-def _checkpoint_saver(strategy: Strategy, cfg: AppConfig) -> Callable[[int], None]:
+def _checkpoint_saver(replica: ReplicaStrategy, cfg: AppConfig) -> Callable[[int], None]:
     """Return the ``on_round`` hook saving a checkpoint every ``cfg.checkpoint_every`` rounds."""
     from fedddl.checkpoint import checkpoint_path, prune_checkpoints, save_checkpoint
-    from strategies.terngrad import TernGrad
 
-    assert isinstance(strategy, TernGrad)
     config = cfg.to_run_config()
 
     def save(global_round: int) -> None:
         if global_round % cfg.checkpoint_every:
             return
         path = save_checkpoint(
-            strategy.checkpoint(global_round, config),
+            replica.checkpoint(global_round, config),
             checkpoint_path(cfg.checkpoint_dir, global_round),
         )
         prune_checkpoints(cfg.checkpoint_dir, cfg.checkpoint_keep)
@@ -203,10 +207,11 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         return {}
     n = len(rounds)
     checked = [r["replicas_equal"] for r in rounds if r["replicas_equal"] is not None]
+    scored = [r["accuracy"] for r in rounds if r["accuracy"] is not None]
     return {
         "rounds": n,
         "final_accuracy": rounds[-1]["accuracy"],
-        "best_accuracy": max(r["accuracy"] for r in rounds),
+        "best_accuracy": max(scored) if scored else None,
         "mean_bytes_up": sum(r["bytes_up"] for r in rounds) / n,
         "mean_bytes_down": sum(r["bytes_down"] for r in rounds) / n,
         "mean_wall_s": sum(r["wall_s"] for r in rounds) / n,

@@ -15,12 +15,11 @@ import pytest
 from flwr.app import Message
 
 from clients.client_app import make_client_app
-from clients.localized import model_factory
 from clients.state import load_state
 from fedddl.app_config import AppConfig
 from fedddl.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
-from strategies.inline_grid import InlineGrid
 from strategies.server_app import run_server
+from tests.support.inline_grid import InlineGrid
 
 NODES = 4
 
@@ -42,7 +41,7 @@ def _client_versions(grid: InlineGrid, cfg: AppConfig) -> dict[int, int]:
     out = {}
     for node, ctx in grid.contexts.items():
         st = load_state(
-            ctx.state, model_factory(cfg), cfg.learning_rate, cfg.momentum, use_cache=False
+            ctx.state, cfg.model_factory(), cfg.learning_rate, cfg.momentum
         )
         out[node] = -1 if st.replica is None else st.replica.version
     return out
@@ -149,11 +148,19 @@ def test_only_the_deployment_grid_gets_fast_polling() -> None:
     has no push/pull at all)."""
     from flwr.superlink.grid.http_grid import HttpGrid
 
-    from fedddl.deploy.fast_grid import FastPollGrid
-    from strategies.server_app import _fast_poll
+    from fedddl.flower.grid import FastPollGrid
+    from fedddl.flower.grid import fast_poll as _fast_poll
 
     http = HttpGrid(token="not-connected")  # connects lazily: nothing is contacted here
     wrapped = _fast_poll(http)
     assert isinstance(wrapped, FastPollGrid) and wrapped.inner is http
+    from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+
+    from fedddl.flower.grid import SIMULATION_POLL_INTERVAL_S
+
+    memory = InMemoryGrid.__new__(InMemoryGrid)  # the simulation's grid (not connected)
+    polled = _fast_poll(memory)
+    assert isinstance(polled, FastPollGrid) and polled.inner is memory
+    assert polled.poll_interval_s == SIMULATION_POLL_INTERVAL_S
     inline = InlineGrid(make_client_app(_cfg()), 1)
     assert _fast_poll(inline) is inline

@@ -7,19 +7,15 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
 from clients.client_app import make_client_app
-from clients.localized import model_factory
 from clients.shard import load_shard, partition_of
 from clients.state import load_state, save_state
 from fedddl.app_config import AppConfig
+from fedddl.compression import ResidualMemory
+from fedddl.flower.protocol import build_train_content, parse_reply, parse_train_content
 from fedddl.replica import Replica
-from strategies.inline_grid import InlineGrid
-from strategies.strategy_utils import (
-    ReplyError,
-    TrainInstruction,
-    build_train_content,
-    parse_reply,
-    parse_train_content,
-)
+from fedddl.sync import ReplyError, TrainInstruction
+from fedddl.sync.worker import WorkerState
+from tests.support.inline_grid import InlineGrid
 
 CFG = AppConfig()
 
@@ -42,9 +38,9 @@ def test_first_message_builds_the_seeded_replica_and_replies_a_gradient() -> Non
     parsed = parse_reply(reply)
     assert parsed.model_version == 0 and not parsed.resync
     assert parsed.num_examples == CFG.batch_size
-    st = load_state(ctx.state, model_factory(CFG), CFG.learning_rate, CFG.momentum)
+    st = load_state(ctx.state, CFG.model_factory(), CFG.learning_rate, CFG.momentum)
     assert st.replica is not None and st.compressor == "ternary-base3"
-    seeded = Replica(model_factory(CFG)(), 0.1, 0.9)
+    seeded = Replica(CFG.model_factory()(), 0.1, 0.9)
     assert st.replica.fingerprint() == seeded.fingerprint()
     assert parsed.fingerprint == bytes.fromhex(seeded.fingerprint())[:16].hex()
 
@@ -60,12 +56,10 @@ def test_client_without_state_far_behind_asks_for_resync() -> None:
 
 
 def test_client_with_gap_in_updates_reports_its_version() -> None:
-    model = model_factory(CFG)()
+    model = CFG.model_factory()()
     replica = Replica(model, 0.1, 0.9, version=0)
-    from clients.state import ClientState
-
     state = RecordDict()
-    save_state(state, ClientState(replica, "ternary", {}))
+    save_state(state, WorkerState(replica, "ternary"))
     content = build_train_content(TrainInstruction(5, 4, [(3, b"x"), (4, b"y")]))
     reply, _ = _deliver(content, state=state)
     parsed = parse_reply(reply)
@@ -79,27 +73,26 @@ def test_corrupted_broadcast_leaves_the_replica_at_its_version() -> None:
     reply, ctx = _deliver(content)
     parsed = parse_reply(reply)
     assert parsed.resync and parsed.model_version == 0
-    st = load_state(ctx.state, model_factory(CFG), 0.1, 0.9)
+    st = load_state(ctx.state, CFG.model_factory(), 0.1, 0.9)
     assert st.replica is not None and st.replica.version == 0
 
 
 def test_state_round_trip_keeps_weights_momentum_and_residuals() -> None:
-    replica = Replica(model_factory(CFG)(), 0.1, 0.9)
+    replica = Replica(CFG.model_factory()(), 0.1, 0.9)
     grads = {k: torch.randn(p.shape) for k, p in replica.model.named_parameters()}
     replica.apply_update(grads, 1)
-    from clients.state import ClientState
-
     state = RecordDict()
     residuals = {"1.weight": torch.randn(64, 64)}
-    save_state(state, ClientState(replica, "ternary", residuals))
-    back = load_state(state, model_factory(CFG), 0.1, 0.9, use_cache=False)
+    key = ("run", 7)
+    save_state(state, WorkerState(replica, "ternary", ResidualMemory(residuals)), key=key)
+    back = load_state(state, CFG.model_factory(), 0.1, 0.9)
     assert back.replica is not None and back.replica.version == 1
     assert back.replica is not replica  # really deserialized
     assert back.replica.fingerprint() == replica.fingerprint()
-    assert torch.equal(back.residuals["1.weight"], residuals["1.weight"])
-    cached = load_state(state, model_factory(CFG), 0.1, 0.9)
+    assert torch.equal(back.memory.residuals["1.weight"], residuals["1.weight"])
+    cached = load_state(state, CFG.model_factory(), 0.1, 0.9, key=key)
     assert cached.replica is replica  # the live object, taken out of the cache once
-    again = load_state(state, model_factory(CFG), 0.1, 0.9)
+    again = load_state(state, CFG.model_factory(), 0.1, 0.9, key=key)
     assert again.replica is not replica and again.replica is not None
     assert again.replica.fingerprint() == replica.fingerprint()
     replica = again.replica
@@ -110,7 +103,7 @@ def test_state_round_trip_keeps_weights_momentum_and_residuals() -> None:
 
 
 def test_fedavg_message_trains_and_returns_weights() -> None:
-    model = model_factory(CFG)()
+    model = CFG.model_factory()()
     content = RecordDict(
         {"arrays": ArrayRecord(model.state_dict()), "config": ConfigRecord({"server-round": 1})}
     )
@@ -196,7 +189,7 @@ def test_pyproject_app_config_is_valid() -> None:
 
 
 def test_pack_tensors_round_trip_and_bad_layouts() -> None:
-    from strategies.strategy_utils import bytes_to_array, pack_tensors, unpack_tensors
+    from fedddl.flower.records import bytes_to_array, pack_tensors, unpack_tensors
 
     tensors = {
         "w": torch.randn(3, 4),

@@ -14,8 +14,6 @@ from typing import Any
 
 import pytest
 
-from fedddl.deploy.fast_grid import FastPollGrid
-from fedddl.deploy.fast_supernode import ScaledSleepTime, patch_supernode_polling
 from fedddl.deploy.processes import (
     ManagedProcess,
     descendant_pids,
@@ -24,6 +22,8 @@ from fedddl.deploy.processes import (
     free_ports,
 )
 from fedddl.deploy.warm_clientapp import SOCKET_ENV, install_shim
+from fedddl.flower.fast_supernode import ScaledSleepTime, patch_supernode_polling
+from fedddl.flower.grid import FastPollGrid
 
 
 class _ScriptedGrid:

@@ -17,13 +17,13 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from clients.client_app import make_client_app
-from clients.localized import model_factory
 from clients.state import load_state, save_state
 from fedddl.app_config import AppConfig
-from strategies.inline_grid import InlineGrid
+from fedddl.flower.protocol import parse_reply
+from fedddl.flower.records import bytes_to_array
 from strategies.registry import build_strategy
-from strategies.strategy_utils import bytes_to_array, parse_reply
 from strategies.terngrad import TernGrad
+from tests.support.inline_grid import InlineGrid
 
 NODES = 10
 ROUNDS = 50
@@ -66,10 +66,9 @@ class FaultyClients:
     def _replica_version(self, context: Context) -> int:
         st = load_state(
             context.state,
-            model_factory(self.cfg),
+            self.cfg.model_factory(),
             self.cfg.learning_rate,
             self.cfg.momentum,
-            use_cache=False,
         )
         return -1 if st.replica is None else st.replica.version
 
@@ -92,14 +91,14 @@ class FaultyClients:
         if kind == "diverged":
             st = load_state(
                 context.state,
-                model_factory(self.cfg),
+                self.cfg.model_factory(),
                 self.cfg.learning_rate,
                 self.cfg.momentum,
-                use_cache=False,
             )
             assert st.replica is not None
             with_grad = next(iter(st.replica.model.parameters()))
             with_grad.data[0].add_(1e-3)
+            st.saved_version = None  # changed outside the journal: store a new snapshot
             save_state(context.state, st)
         if kind in ("stale-lie", "stale-old"):
             return self._stale(message, context, lie=kind == "stale-lie")
@@ -161,7 +160,7 @@ def test_twenty_percent_faulty_clients_per_round_still_converge_and_agree() -> N
     plan = _fault_plan(seed=7)
     clients = FaultyClients(make_client_app(cfg), cfg, plan)
     grid = LossyGrid(clients, NODES)
-    strategy = build_strategy(cfg, model_factory(cfg))
+    strategy = build_strategy(cfg, cfg.model_factory())
     assert isinstance(strategy, TernGrad)
     strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=ROUNDS)
 
@@ -201,7 +200,7 @@ def test_twenty_percent_faulty_clients_per_round_still_converge_and_agree() -> N
         assert parsed.fingerprint == target[:32]
     for node, ctx in grid.contexts.items():
         st = load_state(
-            ctx.state, model_factory(cfg), cfg.learning_rate, cfg.momentum, use_cache=False
+            ctx.state, cfg.model_factory(), cfg.learning_rate, cfg.momentum
         )
         assert st.replica is not None, node
         assert st.replica.version == strategy.shadow.version
@@ -231,7 +230,7 @@ def test_round_with_fewer_valid_replies_than_min_replies_applies_nothing(
     cfg = AppConfig(num_server_rounds=3, min_available_nodes=4)
     plan = {(2, 1000): "exception", (2, 1001): "corrupt"}
     grid = LossyGrid(FaultyClients(make_client_app(cfg), cfg, plan), 4)
-    strategy = build_strategy(cfg, model_factory(cfg))
+    strategy = build_strategy(cfg, cfg.model_factory())
     assert isinstance(strategy, TernGrad)
     strategy.min_replies = 3
     strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=3)
@@ -246,7 +245,7 @@ def test_round_with_fewer_valid_replies_than_min_replies_applies_nothing(
     assert r3.accepted == [1000, 1001, 1002, 1003] and r3.replicas_equal
     for ctx in grid.contexts.values():
         st = load_state(
-            ctx.state, model_factory(cfg), cfg.learning_rate, cfg.momentum, use_cache=False
+            ctx.state, cfg.model_factory(), cfg.learning_rate, cfg.momentum
         )
         assert st.replica is not None and st.replica.version == 1
         assert st.replica.fingerprint() == strategy.fingerprints[1]
@@ -275,7 +274,7 @@ def test_a_duplicated_reply_is_counted_once() -> None:
 
     cfg = AppConfig(num_server_rounds=2, min_available_nodes=3)
     grid = DuplicatingGrid(make_client_app(cfg), 3)
-    strategy = build_strategy(cfg, model_factory(cfg))
+    strategy = build_strategy(cfg, cfg.model_factory())
     assert isinstance(strategy, TernGrad)
     strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=2)
     for report in strategy.reports:

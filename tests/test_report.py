@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from fedddl.cli import main as cli_main
-from fedddl.report_manifest import ManifestError, load_manifest, write_manifest
-from fedddl.report_stats import (
+from fedddl.report.manifest import ManifestError, load_manifest, write_manifest
+from fedddl.report.stats import (
     Link,
     aggregate_rounds,
     band_on_grid,
@@ -25,7 +25,7 @@ from fedddl.report_stats import (
     simulated_round_times,
     transfer_time,
 )
-from fedddl.report_tables import Table, fmt_reach, markdown_table
+from fedddl.report.tables import Table, fmt_reach, markdown_table
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 DRIVER = Path(__file__).resolve().parents[1] / "simulations" / "run_experiments.py"

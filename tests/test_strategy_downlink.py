@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fedddl.compression import IdentityCompressor, PayloadError, TernaryCompressor
-from strategies.downlink import (
+from fedddl.compression.downlink import (
     decode_broadcast,
     encode_reencoded,
     encode_shared_sum,

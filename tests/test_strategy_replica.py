@@ -89,7 +89,7 @@ def test_bad_updates_raise_and_leave_the_replica_unchanged() -> None:
 def test_check_update_rejects_integer_tensors() -> None:
     model = create_model("digits", seed=0)
     ints = {k: torch.zeros(p.shape, dtype=torch.int64) for k, p in model.named_parameters()}
-    with pytest.raises(ReplicaError, match="non-float"):
+    with pytest.raises(ReplicaError, match="floating-point"):
         check_update(model, ints)
 
 
@@ -166,16 +166,17 @@ def _resync_costs(missed: tuple[int, ...]) -> tuple[int, list[tuple[int, str, in
     from flwr.app import ArrayRecord
 
     from clients.client_app import make_client_app
-    from clients.localized import model_factory
     from fedddl.app_config import AppConfig
-    from strategies.inline_grid import InlineGrid
+    from fedddl.flower.protocol import build_train_content
+    from fedddl.flower.records import content_nbytes
+    from fedddl.sync import TrainInstruction
     from strategies.registry import build_strategy
-    from strategies.strategy_utils import TrainInstruction, build_train_content, content_nbytes
     from strategies.terngrad import TernGrad
+    from tests.support.inline_grid import InlineGrid
 
     rounds = max(missed) + 1
     cfg = AppConfig(num_server_rounds=rounds, compressor="ternary-base3", update_log_size=8)
-    strategy = build_strategy(cfg, model_factory(cfg))
+    strategy = build_strategy(cfg, cfg.model_factory())
     assert isinstance(strategy, TernGrad)
     strategy.start(
         grid=InlineGrid(make_client_app(cfg), 2), initial_arrays=ArrayRecord(), num_rounds=rounds

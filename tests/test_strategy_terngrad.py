@@ -1,6 +1,6 @@
 """TernGrad / GradientAverage protocol with real Flower Messages, in-process (no Ray).
 
-Each test drives ``Strategy.start`` on an :class:`~strategies.inline_grid.InlineGrid`
+Each test drives ``Strategy.start`` on an :class:`~tests.support.inline_grid.InlineGrid`
 that delivers every message to the real ClientApp with per-node ``context.state``.
 """
 
@@ -15,15 +15,14 @@ import torch
 from flwr.app import ArrayRecord, Context, Error, Message, RecordDict
 
 from clients.client_app import make_client_app
-from clients.localized import model_factory
 from clients.state import load_state
 from fedddl.app_config import AppConfig
 from fedddl.compression import IdentityCompressor, encode_update
-from strategies.counting_grid import CountingGrid
-from strategies.inline_grid import InlineGrid
+from fedddl.flower.grid import CountingGrid
+from fedddl.flower.records import bytes_to_array
 from strategies.registry import build_strategy
-from strategies.strategy_utils import bytes_to_array
 from strategies.terngrad import TernGrad
+from tests.support.inline_grid import InlineGrid
 
 
 def _run(
@@ -34,7 +33,7 @@ def _run(
     before: Callable[[Message, Context], None] | None = None,
 ) -> tuple[TernGrad, InlineGrid]:
     grid = InlineGrid(make_client_app(cfg), nodes, tamper=tamper, before=before)
-    strategy = build_strategy(cfg, model_factory(cfg))
+    strategy = build_strategy(cfg, cfg.model_factory())
     assert isinstance(strategy, TernGrad)
     strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=rounds)
     return strategy, grid
@@ -44,7 +43,7 @@ def _client_fingerprints(grid: InlineGrid, cfg: AppConfig) -> dict[int, tuple[in
     out = {}
     for node, ctx in grid.contexts.items():
         st = load_state(
-            ctx.state, model_factory(cfg), cfg.learning_rate, cfg.momentum, use_cache=False
+            ctx.state, cfg.model_factory(), cfg.learning_rate, cfg.momentum
         )
         if st.replica is not None:
             out[node] = (st.replica.version, st.replica.fingerprint())
@@ -78,7 +77,7 @@ def test_every_client_replica_equals_the_shadow_and_no_weights_travel() -> None:
 def _nan_payload() -> bytes:
     """A well-formed fp32 update (valid CRC) whose values are NaN: the encoder refuses
     NaN, so patch the value bytes of an all-ones update and redo the CRC."""
-    model = model_factory(AppConfig())()
+    model = AppConfig().model_factory()()
     ones = {k: torch.ones_like(p) for k, p in model.named_parameters()}
     body = encode_update(ones, IdentityCompressor())[:-4]
     one, nan = struct.pack("<f", 1.0), struct.pack("<f", float("nan"))
@@ -126,7 +125,7 @@ def test_bad_replies_are_dropped_with_reasons_and_poison_nothing() -> None:
     assert "client crashed" in reasons["error"]
     assert "'update'" in reasons["missing-update"]
     assert "CRC" in reasons["corrupt"]
-    assert "missing" in reasons["wrong-shape"]
+    assert "do not match" in reasons["wrong-shape"]
     assert "non-finite" in reasons["nan"]
     assert "fingerprint mismatch" in reasons["fingerprint"]
     assert "version 99" in reasons["version"]
@@ -159,7 +158,7 @@ def test_round_two_aggregate_is_the_mean_of_the_accepted_replies_only() -> None:
 
     strategy, _ = _run(cfg, nodes=3, rounds=2, tamper=tamper)
     from fedddl.compression import decode_update
-    from strategies.downlink import decode_broadcast
+    from fedddl.compression.downlink import decode_broadcast
 
     good = [decode_update(bytes(seen[n].content["update"]["payload"].data)) for n in (1001, 1002)]  # type: ignore[union-attr]
     expected = {k: (good[0][k] + good[1][k]) / 2 for k in good[0]}
@@ -203,12 +202,12 @@ def test_client_that_lost_its_state_resyncs_with_a_snapshot() -> None:
 def test_terngrad_trains_and_gradient_average_sends_15x_more_bytes() -> None:
     results = {}
     for strat in ("terngrad", "gradient-average"):
-        cfg = AppConfig(num_server_rounds=20, strategy=strat)
+        cfg = AppConfig(num_server_rounds=20, strategy=strat, fp32_logits=False)
         grid = CountingGrid(InlineGrid(make_client_app(cfg), 4))
-        strategy = build_strategy(cfg, model_factory(cfg))
+        strategy = build_strategy(cfg, cfg.model_factory())
         strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=20)
         assert isinstance(strategy, TernGrad)
-        model = model_factory(cfg)()
+        model = cfg.model_factory()()
         model.load_state_dict(strategy.shadow.model.state_dict())
         from fedddl.data import as_tensors, load_dataset
         from fedddl.training import evaluate
@@ -222,7 +221,7 @@ def test_terngrad_trains_and_gradient_average_sends_15x_more_bytes() -> None:
 
 
 def test_shared_scale_sum_downlink_after_the_first_round() -> None:
-    cfg = AppConfig(num_server_rounds=4, downlink="shared-scale-sum")
+    cfg = AppConfig(num_server_rounds=4, downlink="shared-scale-sum", fp32_logits=False)
     strategy, grid = _run(cfg, nodes=4, rounds=4)
     assert [r.downlink_format for r in strategy.reports] == ["encoded"] + ["shared-scale-sum"] * 3
     assert all(r.replicas_equal for r in strategy.reports)
@@ -232,20 +231,20 @@ def test_shared_scale_sum_downlink_after_the_first_round() -> None:
 
 
 @pytest.mark.parametrize("local_steps", [1, 3])
-def test_pseudo_gradient_is_the_sum_of_local_gradients(local_steps: int) -> None:
-    from clients.localized import compute_pseudo_gradient
+def test_pseudo_gradient_is_the_mean_of_local_gradients(local_steps: int) -> None:
+    from fedddl.sync.worker import compute_pseudo_gradient
     from fedddl.training import compute_gradients, iterate_minibatches, named_gradients
 
-    model = model_factory(AppConfig())()
+    model = AppConfig().model_factory()()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x, y = torch.rand(50, 1, 8, 8), torch.randint(0, 10, (50,))
-    grads, loss, examples = compute_pseudo_gradient(
+    grads, loss, examples, stats = compute_pseudo_gradient(
         model, x, y, batch_size=8, local_steps=local_steps, learning_rate=0.5, seed=1
     )
-    assert examples == 8 * local_steps and loss > 0
+    assert examples == 8 * local_steps and loss > 0 and stats == {}  # no BatchNorm
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    # Reference: plain SGD on a copy, pseudo-gradient = (w0 - wK) / lr.
-    ref = model_factory(AppConfig())()
+    # Reference: plain SGD on a copy, pseudo-gradient = (w0 - wK) / (K lr).
+    ref = AppConfig().model_factory()()
     batches = iterate_minibatches(x, y, 8, torch.Generator().manual_seed(1))
     for _ in range(local_steps):
         compute_gradients(ref, *next(batches))
@@ -260,5 +259,5 @@ def test_pseudo_gradient_is_the_sum_of_local_gradients(local_steps: int) -> None
     w_k = dict(ref.named_parameters())
     for k in grads:
         torch.testing.assert_close(
-            grads[k], (before[k] - w_k[k].detach()) / 0.5, rtol=1e-4, atol=1e-5
+            grads[k], (before[k] - w_k[k].detach()) / (0.5 * local_steps), rtol=1e-4, atol=1e-5
         )

@@ -22,9 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the report and print its tables; 1 (with a message) on a bad folder."""
-    from fedddl.report import build_report  # matplotlib is heavy: import on use only
-    from fedddl.report_manifest import ManifestError
-    from fedddl.report_tables import markdown_table
+    from fedddl.report.build import build_report  # matplotlib is heavy: import on use only
+    from fedddl.report.manifest import ManifestError
+    from fedddl.report.tables import markdown_table
 
     try:
         report = build_report(args.results_dir)

@@ -52,35 +52,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub.add_parser("check", help="say whether namespaces, veth, htb and root are available")
 
     flower = sub.add_parser("flower", help="Flower deployment: strategies side by side per network")
-    flower.add_argument("--supernodes", type=int, default=4)
+    flower.add_argument("--supernodes", type=int, default=4,
+                        help="SuperNodes, each in its own namespace")
     flower.add_argument("--network", action="append", default=[], metavar="FILE",
-                        help="profile (JSON/TOML, one node per SuperNode); repeatable")
-    flower.add_argument("--strategies", default="terngrad,gradient-average,fedavg")
+                        help="profile (JSON/TOML, one node per SuperNode); repeatable, "
+                             "no default: at least one")
+    flower.add_argument("--strategies", default="terngrad,gradient-average,fedavg",
+                        help="comma list of strategies run side by side on each network")
     flower.add_argument("--run-config", default="",
-                        help="Flower run config, e.g. \"dataset='digits' num-server-rounds=20\"")
-    flower.add_argument("--target", type=float, required=True, help="accuracy target")
-    flower.add_argument("--repeats", type=int, default=1)
+                        help="Flower run config, e.g. \"dataset='digits' num-server-rounds=20\" "
+                             "(default: the app's defaults)")
+    flower.add_argument("--target", type=float, required=True,
+                        help="accuracy target (required, no default)")
+    flower.add_argument("--repeats", type=int, default=1, help="runs of each strategy per network")
     flower.add_argument("--insecure", action="store_true", help="no TLS / SuperNode auth")
     flower.add_argument("--resume", action="store_true",
                         help="reuse results already in --out (e.g. the unlimited references)")
-    flower.add_argument("--out", required=True, help="output directory")
+    flower.add_argument("--out", required=True, help="output directory (required, no default)")
 
     gossip = sub.add_parser("gossip", help="real gossip peers, one per namespace; the simulator")
     gossip.add_argument("--network", default="heterogeneous", help="profile name or file")
-    gossip.add_argument("--nodes", type=int, default=8)
+    gossip.add_argument("--nodes", type=int, default=8, help="gossip peers, one per namespace")
     gossip.add_argument("--variants", default="scheduled,random",
                         help="comma list of scheduled, random (classic), random+overlap")
-    gossip.add_argument("--steps", type=int, default=300)
-    gossip.add_argument("--min-step-s", type=float, default=0.05, help="pace each SGD step")
-    gossip.add_argument("--dataset", default="digits")
-    gossip.add_argument("--arch", default="", help="model (dataset default when empty)")
-    gossip.add_argument("--learning-rate", type=float, default=0.1)
-    gossip.add_argument("--eval-every", type=int, default=10)
-    gossip.add_argument("--seed", type=int, default=0)
-    gossip.add_argument("--target", type=float, required=True)
-    gossip.add_argument("--repeats", type=int, default=1)
+    gossip.add_argument("--steps", type=int, default=300, help="SGD steps of each peer")
+    gossip.add_argument("--min-step-s", type=float, default=0.05,
+                        help="pace each SGD step to at least this many seconds")
+    gossip.add_argument("--dataset", default="digits", help="dataset name")
+    gossip.add_argument("--arch", default="", help="model (default: the dataset's default model)")
+    gossip.add_argument("--learning-rate", type=float, default=0.1, help="SGD learning rate")
+    gossip.add_argument("--eval-every", type=int, default=10,
+                        help="evaluate every this many steps")
+    gossip.add_argument("--seed", type=int, default=0, help="run seed")
+    gossip.add_argument("--target", type=float, required=True,
+                        help="accuracy target (required, no default)")
+    gossip.add_argument("--repeats", type=int, default=1, help="runs of each variant")
     gossip.add_argument("--no-predict", action="store_true", help="skip the simulator")
-    gossip.add_argument("--out", required=True)
+    gossip.add_argument("--out", required=True, help="output directory (required, no default)")
 
     cleanup = sub.add_parser("cleanup", help="delete the namespaces a killed run recorded")
     cleanup.add_argument("record", help="namespaces.json of that run")

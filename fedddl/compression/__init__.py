@@ -22,11 +22,13 @@ from fedddl.compression.payload import (
 from fedddl.compression.registry import (
     available_compressors,
     get_compressor,
+    is_ternary,
+    make_compressor,
     register_compressor,
 )
 from fedddl.compression.sharing import local_scales, max_scales
 from fedddl.compression.ternarize import PROBABILITY_BITS
-from fedddl.compression.ternary import TernaryCompressor
+from fedddl.compression.ternary import TernaryCompressor, TernaryEntropyCompressor
 from fedddl.compression.wire import FORMAT_VERSION, MAGIC, decode_update, encode_update
 
 __all__ = [
@@ -45,12 +47,15 @@ __all__ = [
     "PayloadError",
     "ResidualMemory",
     "TernaryCompressor",
+    "TernaryEntropyCompressor",
     "TernaryPayload",
     "available_compressors",
     "decode_update",
     "encode_update",
     "get_compressor",
+    "is_ternary",
     "local_scales",
+    "make_compressor",
     "max_scales",
     "pack_codes",
     "register_compressor",

@@ -23,6 +23,18 @@ class Compressor(ABC):
     #: Registry name of the compressor.
     name: str = "compressor"
 
+    #: Capability: payloads are ternary codes times one scale per tensor (TernGrad-style).
+    #: A ternary compressor's factory accepts the keyword arguments ``seed`` and
+    #: ``clip_sigma`` (see :func:`~fedddl.compression.make_compressor`), its
+    #: :meth:`compress` accepts ``scale=`` and :meth:`local_scale` returns its scaler, so it
+    #: can take part in scaler sharing and in the ``shared-scale-sum`` downlink.
+    #: A plug-in compressor opts in by setting it to ``True``.
+    ternary: bool = False
+
+    #: Entropy coding of the whole message by :func:`~fedddl.compression.encode_update`:
+    #: ``""`` (none) or ``"zstd"`` (format in :mod:`fedddl.compression.entropy`).
+    entropy_coding: str = ""
+
     @abstractmethod
     def compress(
         self, tensor: torch.Tensor, *, scale: float | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 
 import torch
 
@@ -42,11 +43,13 @@ class ResidualMemory(Memory):
 
     Over steps, ``sum(decompressed) + residual == sum(inputs)`` (up to float
     rounding): nothing that compression dropped is lost, only delayed.
-    Residuals are kept in the tensor's own dtype.
+    Residuals are kept in the tensor's own dtype; ``residuals`` restores saved ones.
     """
 
-    def __init__(self) -> None:
-        self._residuals: dict[str, torch.Tensor] = {}
+    def __init__(self, residuals: Mapping[str, torch.Tensor] | None = None) -> None:
+        self._residuals: dict[str, torch.Tensor] = {
+            name: r.detach().clone() for name, r in (residuals or {}).items()
+        }
 
     @property
     def residuals(self) -> dict[str, torch.Tensor]:
@@ -76,4 +79,5 @@ class ResidualMemory(Memory):
                 f"tensor {name!r}: decompressed shape {tuple(decompressed.shape)} != "
                 f"{tuple(tensor.shape)}"
             )
-        self._residuals[name] = (tensor.detach() - decompressed.to(tensor.dtype)).detach()
+        target = decompressed.to(device=tensor.device, dtype=tensor.dtype)
+        self._residuals[name] = (tensor.detach() - target).detach()

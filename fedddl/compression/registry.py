@@ -7,9 +7,15 @@ from typing import Any
 
 from fedddl.compression.base import Compressor
 from fedddl.compression.identity import IdentityCompressor
-from fedddl.compression.ternary import TernaryCompressor
+from fedddl.compression.ternary import TernaryCompressor, TernaryEntropyCompressor
 
-__all__ = ["available_compressors", "get_compressor", "register_compressor"]
+__all__ = [
+    "available_compressors",
+    "get_compressor",
+    "is_ternary",
+    "make_compressor",
+    "register_compressor",
+]
 
 CompressorFactory = Callable[..., Compressor]
 
@@ -54,6 +60,38 @@ def get_compressor(name: str, **kwargs: Any) -> Compressor:
     return compressor
 
 
+def make_compressor(name: str, *, seed: int, clip_sigma: float) -> Compressor:
+    """Build the compressor registered as ``name`` for one use (one message, one seed).
+
+    A compressor whose :attr:`~fedddl.compression.Compressor.ternary` capability is set
+    is built with ``seed`` and ``clip_sigma``; any other with its factory's defaults.
+
+    Raises
+    ------
+    ValueError
+        If ``name`` is not registered.
+    """
+    if name not in _REGISTRY:
+        raise ValueError(
+            f"unknown compressor {name!r}; registered: {', '.join(available_compressors())}"
+        )
+    compressor = get_compressor(name)
+    if compressor.ternary:
+        return get_compressor(name, seed=seed, clip_sigma=clip_sigma)
+    return compressor
+
+
+def is_ternary(name: str) -> bool:
+    """Whether the compressor registered as ``name`` has the ``ternary`` capability.
+
+    Raises
+    ------
+    ValueError
+        If ``name`` is not registered.
+    """
+    return make_compressor(name, seed=0, clip_sigma=2.5).ternary
+
+
 def available_compressors() -> list[str]:
     """Registered names, sorted."""
     return sorted(_REGISTRY)
@@ -63,6 +101,19 @@ def _ternary_base3(**kwargs: Any) -> Compressor:
     return TernaryCompressor(codec="base3", **kwargs)
 
 
+def _ternary_threshold(**kwargs: Any) -> Compressor:
+    return TernaryCompressor(deterministic=True, **kwargs)
+
+
+def _ternary_threshold_base3(**kwargs: Any) -> Compressor:
+    return TernaryCompressor(deterministic=True, codec="base3", **kwargs)
+
+
 register_compressor("ternary", TernaryCompressor)
 register_compressor("ternary-base3", _ternary_base3)
+register_compressor("ternary-entropy", TernaryEntropyCompressor)
+# Deterministic threshold ternary (biased, contractive: |error| <= |input| per value), the
+# pairing for error feedback on whole model deltas (fedddl.flower.TernaryDelta).
+register_compressor("ternary-threshold", _ternary_threshold)
+register_compressor("ternary-threshold-base3", _ternary_threshold_base3)
 register_compressor("identity", IdentityCompressor)

@@ -3,9 +3,11 @@
 * :mod:`fedddl.deploy.certs` - CA + server certificate, SuperNode auth keys;
 * :mod:`fedddl.deploy.processes` - start/stop SuperLink and SuperNodes (free
   ports, readiness, whole-process-tree cleanup), ``flwr`` CLI helpers;
-* :mod:`fedddl.deploy.fast_grid` - ``FastPollGrid``: ServerApp-side 50 ms reply polling;
-* :mod:`fedddl.deploy.fast_supernode` - SuperNode launcher with a short message poll;
 * :mod:`fedddl.deploy.warm_clientapp` - fork server that makes ClientApp starts cheap.
+
+The helpers that import and patch Flower live in the Flower layer:
+:mod:`fedddl.flower.grid` (``FastPollGrid``, ServerApp-side 50 ms reply polling) and
+:mod:`fedddl.flower.fast_supernode` (SuperNode launcher with a short message poll).
 
 Only the light modules are re-exported here (no flwr/torch import on ``import fedddl.deploy``).
 """

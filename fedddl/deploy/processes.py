@@ -456,7 +456,7 @@ def start_supernode(
     extra_args : sequence of str
         Appended verbatim.
     poll_interval_s : float, optional
-        Run through :mod:`fedddl.deploy.fast_supernode` with this idle poll
+        Run through :mod:`fedddl.flower.fast_supernode` with this idle poll
         interval instead of Flower's hard-coded 3 s (default 0.2 s); plain
         ``flower-supernode`` when None.
     warm_clientapp_preload : sequence of str, optional
@@ -482,7 +482,7 @@ def start_supernode(
         argv += ["--node-config", format_node_config(node_config)]
     argv += list(extra_args)
     if poll_interval_s is not None:
-        argv = [sys.executable, "-m", "fedddl.deploy.fast_supernode",
+        argv = [sys.executable, "-m", "fedddl.flower.fast_supernode",
                 "--poll-interval", repr(float(poll_interval_s)), "--", *argv[1:]]
     warm_server: ManagedProcess | None = None
     if warm_clientapp_preload is not None:

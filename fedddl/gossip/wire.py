@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import math
 import struct
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -35,6 +34,7 @@ from typing import Any, TypeGuard
 import numpy as np
 import torch
 
+from fedddl.framing import check_crc, check_magic, crc32_of
 from fedddl.gossip.scheduler import PeerState
 
 __all__ = [
@@ -193,7 +193,7 @@ def encode_frame(
         separators=(",", ":"),
     ).encode()
     payload = b"".join(chunks)
-    crc = zlib.crc32(payload, zlib.crc32(header))
+    crc = crc32_of((header, payload))
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, int(kind), 0, len(header), len(payload), crc)
     return prefix + header + payload
 
@@ -226,10 +226,14 @@ def decode_frame(data: bytes, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame
             f"frame truncated: {len(data)} bytes, the fixed prefix needs {_PREFIX.size}"
         )
     magic, version, kind_value, reserved, header_len, payload_len, crc = _PREFIX.unpack_from(data)
-    if magic != MAGIC:
-        raise WireError(f"bad magic {magic!r}, expected {MAGIC!r}")
-    if version != FORMAT_VERSION:
-        raise WireError(f"unsupported format version {version}, expected {FORMAT_VERSION}")
+    check_magic(
+        "gossip frame",
+        magic,
+        version,
+        expected_magic=MAGIC,
+        expected_version=FORMAT_VERSION,
+        error=WireError,
+    )
     if kind_value not in {k.value for k in FrameKind}:
         raise WireError(f"unknown frame kind {kind_value}")
     if reserved != 0:
@@ -240,8 +244,7 @@ def decode_frame(data: bytes, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame
             f"frame length {len(data)} does not match its header ({expected} bytes expected)"
         )
     body = memoryview(data)[_PREFIX.size :]
-    if zlib.crc32(body) != crc:
-        raise WireError("checksum mismatch: frame corrupted in transit")
+    check_crc("gossip frame", body, crc, error=WireError)
     header = _parse_header(bytes(body[:header_len]))
     kind = FrameKind(kind_value)
     tensors = _parse_tensors(header["tensors"], body[header_len:], payload_len)

@@ -60,7 +60,7 @@ TCP_OVERHEAD = 66 / 1448
 ACK_OVERHEAD = 66 / 2896
 
 
-def wire_bounds(testbed: Mapping[str, Any], slack: float = 0.05) -> dict[str, tuple[float, float]]:
+def wire_bounds(testbed: Mapping[str, Any], slack: float = 0.10) -> dict[str, tuple[float, float]]:
     """Band the SuperNodes' interface bytes of a run must fall in, per direction.
 
     The payload of a direction is the application's count (``bytes_up``; for
@@ -69,7 +69,10 @@ def wire_bounds(testbed: Mapping[str, Any], slack: float = 0.05) -> dict[str, tu
     Upper bound: lower bound + the idle traffic rate measured just before the run
     (the SuperNodes' polls, TLS and HTTP/2 framing) x the run's duration, plus
     ``slack`` of the total for per-message framing (Flower message metadata,
-    gRPC/HTTP/2 headers, TLS records).
+    gRPC/HTTP/2 headers, TLS records) and the run's set-up. Measured: the downlink of
+    a 2-round run carried up to 7 % (of payload + app bundles) more than payload,
+    framing and idle polls together, most of it once per run, not per round; 5 %
+    was too tight for it.
     """
     app = testbed["app_bytes"]
     down = float(app["down"]) + testbed["supernodes"] * float(app["fab_per_supernode"])

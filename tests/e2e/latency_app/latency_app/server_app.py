@@ -25,7 +25,7 @@ def main(grid: Grid, context: Context) -> None:
     min_nodes = int(cfg["min-nodes"])
     poll = float(cfg["grid-poll-interval"])
     if poll > 0:
-        from fedddl.deploy.fast_grid import FastPollGrid
+        from fedddl.flower.grid import FastPollGrid
 
         grid = FastPollGrid(grid, poll_interval_s=poll)
     x_test, y_test = make_data(seed=999, n=512)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedddl.report_stats import Band
+from fedddl.report.stats import Band
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -1,7 +1,7 @@
 """Turn a results folder written by ``simulations/run_experiments.py`` into plots and tables.
 
 :func:`build_report` reads ``RESULTS_DIR/manifest.json`` (see
-:mod:`fedddl.report_manifest`), aggregates every configuration over its seeds
+:mod:`fedddl.report.manifest`), aggregates every configuration over its seeds
 (mean, std, min/max) and writes, into the same folder:
 
 - ``report.md``: one section per experiment with its claim, a Markdown table
@@ -12,7 +12,7 @@
   statistics for the sharding experiment.
 
 The simulated wall-time model used for the bandwidth panels is documented in
-:mod:`fedddl.report_stats`.
+:mod:`fedddl.report.stats`.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from fedddl.report_manifest import ManifestError, load_json, load_manifest
-from fedddl.report_plots import plot_bands, plot_shards
-from fedddl.report_stats import (
+from fedddl.report.manifest import ManifestError, load_json, load_manifest
+from fedddl.report.plots import plot_bands, plot_shards
+from fedddl.report.stats import (
     Band,
     Link,
     aggregate_rounds,
@@ -35,7 +35,7 @@ from fedddl.report_stats import (
     round_series,
     simulated_round_times,
 )
-from fedddl.report_tables import Table, fmt_count, fmt_pm, fmt_reach, markdown_table, write_csv
+from fedddl.report.tables import Table, fmt_count, fmt_pm, fmt_reach, markdown_table, write_csv
 
 __all__ = ["Report", "Section", "build_report"]
 

@@ -1,0 +1,274 @@
+"""The localized-replica protocol in Flower messages: every record and key, once.
+
+Both sides import this module (``strategies/`` to build instructions and parse replies,
+``clients/`` to parse instructions and build replies); neither imports the other. The
+values are the Flower-free :class:`~fedddl.sync.messages.TrainInstruction` and
+:class:`~fedddl.sync.messages.ClientReply`.
+
+Server → client, ``MessageType.TRAIN``:
+
+* ``"config"`` :class:`~flwr.app.ConfigRecord`: ``server-round``, ``model-version``
+  (the version the client must hold before computing), optional ``compressor``
+  (uplink compressor name, sent when the server has no proof the client knows it),
+  optional ``snapshot-version``, optional ``want-scales = 1``.
+* ``"updates"`` :class:`~flwr.app.ArrayRecord` (optional): ``"v<k>"`` → encoded broadcast
+  update producing version ``k`` (raw bytes in a ``uint8`` :class:`~flwr.app.Array`).
+* ``"snapshot"`` :class:`~flwr.app.ArrayRecord` (optional): weights and momentum buffers
+  of the shadow replica at ``snapshot-version`` (:meth:`fedddl.replica.Replica.snapshot`).
+* ``"scales"`` :class:`~flwr.app.ArrayRecord` (optional): ``"s"`` → shared per-tensor
+  ternary scales (``float32``), for ``downlink = "shared-scale-sum"``.
+
+Client → server reply:
+
+* ``"update"`` :class:`~flwr.app.ArrayRecord`: ``"payload"`` → encoded (pseudo-)gradient,
+  optionally ``"scales"`` → the client's local per-tensor scales (``float32``), and, for
+  models with BatchNorm layers, ``"statistics"`` → the encoded input statistics of its
+  minibatches (:mod:`fedddl.running_stats`).
+* ``"metrics"`` :class:`~flwr.app.MetricRecord`: ``num-examples``, ``loss``,
+  ``model-version`` (and, with ``FEDDDL_CLIENT_TIMING=1``, the diagnostics ``client-s``,
+  handler seconds, and ``client-cached``, clients whose state the process holds).
+* ``"replica"`` :class:`~flwr.app.ConfigRecord`: ``fingerprint`` (the first
+  :data:`~fedddl.sync.messages.FINGERPRINT_BYTES` bytes of the replica's sha256
+  fingerprint). A client that cannot catch up sends only ``"metrics"`` with
+  ``model-version`` (its version, -1 without state), ``num-examples = 0`` and
+  ``resync = 1``.
+
+A TRAIN message whose ``config`` record has ``model-version`` follows this protocol; one
+with an ``"arrays"`` record is stock FedAvg (:data:`FEDAVG_ARRAYS`).
+"""
+
+from __future__ import annotations
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from fedddl.flower.records import (
+    array_to_bytes,
+    array_to_floats,
+    bytes_to_array,
+    floats_to_array,
+    record_to_tensors,
+    tensors_to_record,
+)
+from fedddl.sync.errors import ReplyError
+from fedddl.sync.messages import (
+    FINGERPRINT_BYTES,
+    ClientReply,
+    TrainInstruction,
+)
+
+__all__ = [
+    "CONFIG",
+    "FEDAVG_ARRAYS",
+    "METRICS",
+    "REPLICA",
+    "SCALES",
+    "SNAPSHOT",
+    "UPDATE",
+    "UPDATES",
+    "build_reply_content",
+    "build_train_content",
+    "is_localized_train",
+    "parse_reply",
+    "parse_train_content",
+]
+
+# Records of a TRAIN message.
+CONFIG = "config"
+UPDATES = "updates"
+SNAPSHOT = "snapshot"
+SCALES = "scales"
+# Records of a reply.
+UPDATE = "update"
+METRICS = "metrics"
+REPLICA = "replica"
+# Arrays and keys.
+PAYLOAD = "payload"
+STATISTICS = "statistics"
+SCALES_ARRAY = "s"
+SERVER_ROUND = "server-round"
+MODEL_VERSION = "model-version"
+COMPRESSOR = "compressor"
+SNAPSHOT_VERSION = "snapshot-version"
+WANT_SCALES = "want-scales"
+NUM_EXAMPLES = "num-examples"
+LOSS = "loss"
+RESYNC = "resync"
+FINGERPRINT = "fingerprint"
+CLIENT_SECONDS = "client-s"
+CLIENT_CACHED = "client-cached"
+#: The record of a stock FedAvg TRAIN message and reply (model weights).
+FEDAVG_ARRAYS = "arrays"
+
+
+def is_localized_train(content: RecordDict) -> bool:
+    """Whether a TRAIN message belongs to this protocol (else it may be FedAvg)."""
+    config = content.config_records.get(CONFIG)
+    return config is not None and MODEL_VERSION in config
+
+
+# ------------------------------------------------------------ server → client
+def build_train_content(instruction: TrainInstruction) -> RecordDict:
+    """The :class:`~flwr.app.RecordDict` of a training message (module docstring)."""
+    config = ConfigRecord(
+        {SERVER_ROUND: instruction.server_round, MODEL_VERSION: instruction.model_version}
+    )
+    if instruction.compressor is not None:
+        config[COMPRESSOR] = instruction.compressor
+    if instruction.want_scales:
+        config[WANT_SCALES] = 1
+    records: dict[str, ArrayRecord | MetricRecord | ConfigRecord] = {CONFIG: config}
+    if instruction.updates:
+        records[UPDATES] = ArrayRecord(
+            {f"v{v}": bytes_to_array(p) for v, p in instruction.updates}
+        )
+    if instruction.snapshot is not None:
+        config[SNAPSHOT_VERSION] = instruction.snapshot_version
+        records[SNAPSHOT] = tensors_to_record(instruction.snapshot)
+    if instruction.scales is not None:
+        records[SCALES] = ArrayRecord({SCALES_ARRAY: floats_to_array(instruction.scales)})
+    return RecordDict(records)
+
+
+def _int(record: ConfigRecord | MetricRecord, key: str, what: str) -> int:
+    value = record.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ReplyError(f"{what}: {key!r} must be an int, got {value!r}")
+    return value
+
+
+def parse_train_content(content: RecordDict) -> TrainInstruction:
+    """Parse a training message built by :func:`build_train_content`.
+
+    Raises
+    ------
+    ReplyError
+        If a record is missing or malformed (names what is wrong).
+    """
+    config = content.config_records.get(CONFIG)
+    if config is None:
+        raise ReplyError(f"train message has no {CONFIG!r} ConfigRecord")
+    server_round = _int(config, SERVER_ROUND, "train message")
+    model_version = _int(config, MODEL_VERSION, "train message")
+    updates: list[tuple[int, bytes]] = []
+    upd = content.array_records.get(UPDATES)
+    if upd is not None:
+        for key, arr in upd.items():
+            if not key.startswith("v") or not key[1:].lstrip("-").isdigit():
+                raise ReplyError(f"train message: bad update key {key!r}")
+            updates.append((int(key[1:]), array_to_bytes(arr)))
+        updates.sort(key=lambda item: item[0])
+    snapshot = None
+    snapshot_version = -1
+    snap = content.array_records.get(SNAPSHOT)
+    if snap is not None:
+        snapshot_version = _int(config, SNAPSHOT_VERSION, "train message")
+        snapshot = record_to_tensors(snap)
+    compressor = config.get(COMPRESSOR)
+    if compressor is not None and not isinstance(compressor, str):
+        raise ReplyError(f"train message: {COMPRESSOR!r} must be a str, got {compressor!r}")
+    scales = None
+    sc = content.array_records.get(SCALES)
+    if sc is not None:
+        if SCALES_ARRAY not in sc:
+            raise ReplyError(f"train message: {SCALES!r} ArrayRecord lacks {SCALES_ARRAY!r}")
+        scales = array_to_floats(sc[SCALES_ARRAY])
+    return TrainInstruction(
+        server_round,
+        model_version,
+        updates,
+        snapshot,
+        snapshot_version,
+        compressor,
+        scales,
+        want_scales=config.get(WANT_SCALES) == 1,
+    )
+
+
+# ------------------------------------------------------------ client → server
+def build_reply_content(reply: ClientReply) -> RecordDict:
+    """The :class:`~flwr.app.RecordDict` of a client's reply (a gradient or a resync)."""
+    if reply.payload is None:
+        return RecordDict(
+            {
+                METRICS: MetricRecord(
+                    {NUM_EXAMPLES: 0, MODEL_VERSION: reply.model_version, RESYNC: 1}
+                ),
+            }
+        )
+    arrays = {PAYLOAD: bytes_to_array(reply.payload)}
+    if reply.scales is not None:
+        arrays[SCALES] = floats_to_array(reply.scales)
+    if reply.statistics is not None:
+        arrays[STATISTICS] = bytes_to_array(reply.statistics)
+    return RecordDict(
+        {
+            UPDATE: ArrayRecord(arrays),
+            METRICS: MetricRecord(
+                {
+                    NUM_EXAMPLES: reply.num_examples,
+                    LOSS: float(reply.loss),
+                    MODEL_VERSION: reply.model_version,
+                }
+            ),
+            REPLICA: ConfigRecord({FINGERPRINT: bytes.fromhex(reply.fingerprint)}),
+        }
+    )
+
+
+def parse_reply(message: Message) -> ClientReply:
+    """Validate and parse one training reply.
+
+    Raises
+    ------
+    ReplyError
+        If the message carries an error, or records are missing or malformed.
+    """
+    node_id = int(message.metadata.src_node_id)
+    if message.has_error():
+        raise ReplyError(f"node {node_id} replied with error: {message.error.reason}")
+    content = message.content
+    metrics = content.metric_records.get(METRICS)
+    if metrics is None:
+        raise ReplyError(f"node {node_id}: reply has no {METRICS!r} MetricRecord")
+    what = f"node {node_id} reply"
+    version = _int(metrics, MODEL_VERSION, what)
+    if metrics.get(RESYNC) == 1:
+        return ClientReply.resync_request(node_id, version)
+    num_examples = _int(metrics, NUM_EXAMPLES, what)
+    if num_examples < 1:
+        raise ReplyError(f"{what}: {NUM_EXAMPLES} must be >= 1, got {num_examples}")
+    loss = metrics.get(LOSS)
+    if isinstance(loss, bool) or not isinstance(loss, int | float):
+        raise ReplyError(f"{what}: {LOSS!r} must be a number, got {loss!r}")
+    replica = content.config_records.get(REPLICA)
+    raw_fp = None if replica is None else replica.get(FINGERPRINT)
+    if not isinstance(raw_fp, bytes) or len(raw_fp) != FINGERPRINT_BYTES:
+        raise ReplyError(
+            f"{what}: missing {REPLICA!r} ConfigRecord with a {FINGERPRINT_BYTES}-byte "
+            f"{FINGERPRINT!r}"
+        )
+    update = content.array_records.get(UPDATE)
+    if update is None or PAYLOAD not in update:
+        raise ReplyError(f"{what}: missing {UPDATE!r} ArrayRecord with a {PAYLOAD!r} Array")
+    try:
+        payload = array_to_bytes(update[PAYLOAD])
+    except ValueError as err:
+        raise ReplyError(f"{what}: bad payload Array: {err}") from err
+    scales = None
+    if SCALES in update:
+        try:
+            scales = array_to_floats(update[SCALES])
+        except ValueError as err:
+            raise ReplyError(f"{what}: bad {SCALES!r} Array: {err}") from err
+        if scales.ndim != 1 or not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+            raise ReplyError(f"{what}: {SCALES!r} must be a 1-D finite non-negative float array")
+    statistics = None
+    if STATISTICS in update:
+        try:
+            statistics = array_to_bytes(update[STATISTICS])
+        except ValueError as err:
+            raise ReplyError(f"{what}: bad {STATISTICS!r} Array: {err}") from err
+    return ClientReply(
+        node_id, version, raw_fp.hex(), payload, num_examples, float(loss), scales, statistics
+    )

@@ -1,0 +1,132 @@
+"""Combining the accepted gradients of a round, one reply at a time.
+
+The server decodes each accepted reply into one reused buffer and hands it to the
+aggregation as a :class:`Contribution`; :func:`running_mean` adds it to a float32
+accumulator, so server memory does not grow with the number of clients. When the
+round's downlink is ``shared-scale-sum`` it also sums the replies' ternary codes (exact
+integers), which :func:`fedddl.compression.downlink.encode_shared_sum` sends without a
+second quantisation.
+
+A robust variant (a median, say) needs every gradient at once: it must copy each
+contribution, because the buffer is overwritten by the next reply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from fedddl.compression.downlink import ternary_codes
+from fedddl.running_stats import StatisticsPool
+from fedddl.sync.messages import ClientReply
+
+__all__ = ["Aggregate", "Contribution", "running_mean"]
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One accepted reply and its decoded gradient.
+
+    Attributes
+    ----------
+    reply : ClientReply
+        The parsed, validated reply.
+    gradient : Mapping[str, torch.Tensor]
+        The decoded (pseudo-)gradient by parameter name, float32. A buffer owned by the
+        server and overwritten by the next contribution: copy what you keep.
+    statistics : Mapping[str, torch.Tensor] | None
+        The reply's checked BatchNorm input statistics (:mod:`fedddl.running_stats`);
+        None for models without BatchNorm.
+    """
+
+    reply: ClientReply
+    gradient: Mapping[str, torch.Tensor]
+    statistics: Mapping[str, torch.Tensor] | None = None
+
+
+@dataclass
+class Aggregate:
+    """The result of a round's aggregation.
+
+    Attributes
+    ----------
+    gradient : dict[str, torch.Tensor]
+        The combined gradient every replica applies (after downlink encoding).
+    contributors : list[ClientReply]
+        The replies that went into it, in arrival order.
+    code_sums : dict[str, torch.Tensor] | None
+        Exact sums of the contributors' ternary codes (int32, flat) at the shared scales,
+        when every contribution was ternary at those scales; else None.
+    statistics : dict[str, torch.Tensor] | None
+        The contributors' pooled BatchNorm statistics (None: no BatchNorm).
+    """
+
+    gradient: dict[str, torch.Tensor]
+    contributors: list[ClientReply] = field(default_factory=list)
+    code_sums: dict[str, torch.Tensor] | None = None
+    statistics: dict[str, torch.Tensor] | None = None
+
+
+def running_mean(
+    contributions: Iterable[Contribution], code_scales: Mapping[str, float] | None = None
+) -> Aggregate:
+    """Element-wise mean of the contributions in float32, accumulated in arrival order.
+
+    Parameters
+    ----------
+    contributions : Iterable[Contribution]
+        The round's accepted replies (consumed once).
+    code_scales : Mapping[str, float] | None
+        Shared per-tensor scales: also sum the ternary codes at these scales, as long as
+        every contribution is exactly ternary at them.
+
+    Returns
+    -------
+    Aggregate
+        With an empty ``gradient`` when there was no contribution.
+    """
+    total: dict[str, torch.Tensor] = {}
+    sums: dict[str, torch.Tensor] | None = None
+    pool: StatisticsPool | None = None
+    contributors: list[ClientReply] = []
+    for contribution in contributions:
+        gradient = contribution.gradient
+        if not contributors:
+            total = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in gradient.items()}
+            if code_scales is not None:
+                sums = {
+                    k: torch.zeros(v.numel(), dtype=torch.int32)
+                    for k, v in gradient.items()
+                    if k in code_scales
+                }
+        for name, acc in total.items():
+            acc += gradient[name].to(torch.float32)
+        if sums is not None and code_scales is not None:
+            sums = _add_codes(sums, gradient, code_scales)
+        if contribution.statistics is not None:
+            pool = pool or StatisticsPool()
+            pool.add(contribution.statistics)
+        contributors.append(contribution.reply)
+    if not contributors:
+        return Aggregate({})
+    mean = {name: acc / len(contributors) for name, acc in total.items()}
+    return Aggregate(mean, contributors, sums, None if pool is None else pool.result())
+
+
+def _add_codes(
+    sums: dict[str, torch.Tensor],
+    gradient: Mapping[str, torch.Tensor],
+    scales: Mapping[str, float],
+) -> dict[str, torch.Tensor] | None:
+    """Add ``gradient``'s ternary codes to ``sums``; None if it is not ternary at ``scales``."""
+    codes: dict[str, torch.Tensor] = {}
+    for name in sums:
+        found = ternary_codes(gradient[name], scales[name])
+        if found is None:
+            return None
+        codes[name] = found
+    for name, total in sums.items():
+        total += codes[name].to(torch.int32)
+    return sums

@@ -1,0 +1,490 @@
+"""The server side of the localized-replica protocol, without Flower.
+
+:class:`ReplicaServer` keeps the *shadow replica* (the model every client replica
+equals at the same version), the bounded log of encoded broadcast updates, the
+fingerprints of recent versions and what it knows about each node. Per round:
+
+1. :meth:`ReplicaServer.plan_round` gives each sampled node a
+   :class:`~fedddl.sync.messages.TrainInstruction`: the updates it misses from the log,
+   or a snapshot of the shadow replica when it is further behind, and the version it must
+   reach before computing.
+2. :meth:`ReplicaServer.aggregate` takes the replies. Each is checked against the round
+   (:meth:`validate_reply`: version, fingerprint); the accepted ones are decoded one at a
+   time into one buffer and combined (:meth:`aggregate_gradients`); the aggregate is
+   encoded for the downlink (:meth:`encode_downlink`), decoded exactly as the clients will
+   decode it, applied to the shadow replica and logged as the next version.
+
+Override points (a variant overrides one, as Flower's ``FedMedian`` overrides one method
+of ``FedAvg``): :meth:`compressor_name`, :meth:`validate_reply`,
+:meth:`aggregate_gradients`, :meth:`encode_downlink`. The Flower strategy
+:class:`strategies.terngrad.TernGrad` inherits them.
+
+A round with fewer than ``min_replies`` accepted replies applies no update: every
+replica keeps its version. Checkpoints (:meth:`checkpoint`, :meth:`restore`) capture the
+shadow replica, its optimiser, the version, the log and the downlink state; after a
+restore the server knows nothing about the clients, so each node's first message is a
+snapshot.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from logging import INFO, WARNING, getLogger
+
+import torch
+from torch import nn
+
+from fedddl.checkpoint import ServerCheckpoint
+from fedddl.compression import PayloadError, ResidualMemory, decode_update, is_ternary
+from fedddl.compression import make_compressor as build_compressor
+from fedddl.compression.downlink import (
+    decode_broadcast_parts,
+    encode_bundle,
+    encode_reencoded,
+    encode_shared_sum,
+)
+from fedddl.compression.sharing import max_scales
+from fedddl.replica import Replica, ReplicaError, UpdateLog, check_update, plan_catch_up
+from fedddl.running_stats import StatisticsError, batchnorm_layers, check_statistics
+from fedddl.seeding import derive_seed
+from fedddl.sync import checkpoints
+from fedddl.sync.aggregation import Aggregate, Contribution, running_mean
+from fedddl.sync.errors import (
+    FingerprintMismatch,
+    PayloadRejected,
+    ReplyError,
+    ResyncRequest,
+    UnexpectedReply,
+    VersionMismatch,
+)
+from fedddl.sync.exemptions import WARMUP_COMPRESSOR, exempt_parameters
+from fedddl.sync.messages import ClientReply, TrainInstruction, fingerprint_prefix
+from fedddl.sync.nodes import NodeBook
+from fedddl.sync.report import RoundReport
+
+__all__ = ["DOWNLINKS", "ParseFailure", "ReplicaServer"]
+
+DOWNLINKS: tuple[str, ...] = ("reternarize", "shared-scale-sum")
+
+logger = getLogger("fedddl")
+
+
+@dataclass(frozen=True)
+class ParseFailure:
+    """A reply that could not even be parsed (error reply, missing or malformed records)."""
+
+    node_id: int
+    error: ReplyError
+
+
+class ReplicaServer:
+    """Versioned shadow replica, catch-up planning, reply checks, aggregation, downlink.
+
+    Parameters
+    ----------
+    model_fn : Callable[[], torch.nn.Module]
+        Builds the seeded initial model (identical to what every client builds).
+    learning_rate, momentum : float
+        The shared SGD optimiser applied by every replica.
+    compressor : str
+        Registered uplink compressor name (also used to re-encode the downlink).
+    clip_sigma : float
+        Clipping passed to compressors with the ``ternary`` capability.
+    downlink : str
+        ``"reternarize"`` or ``"shared-scale-sum"``.
+    update_log_size : int
+        Broadcast updates kept for catch-up; further behind gets a snapshot.
+    seed : int
+        Seeds the server-side compressor (and, in the Flower strategy, node sampling).
+    min_replies : int
+        Accepted replies needed to apply a round's update (fewer: the round is skipped).
+    fp32_min_numel, fp32_logits, fp32_warmup_rounds
+        TernGrad's fp32 exemptions (:mod:`fedddl.sync.exemptions`), both directions.
+
+    Attributes
+    ----------
+    shadow : Replica
+        The server's replica; what the clients' replicas equal at the same version.
+    log : UpdateLog
+        Encoded broadcast updates, by the version they produce.
+    nodes : NodeBook
+        What the server knows about each node's replica.
+    reports : list[RoundReport]
+        One report per aggregated round.
+    round_offset : int
+        Rounds completed before a restore (added to the caller's round numbers).
+    """
+
+    def __init__(
+        self,
+        model_fn: Callable[[], nn.Module],
+        *,
+        learning_rate: float = 0.1,
+        momentum: float = 0.9,
+        compressor: str = "ternary",
+        clip_sigma: float = 2.5,
+        downlink: str = "reternarize",
+        update_log_size: int = 8,
+        seed: int = 0,
+        min_replies: int = 1,
+        fp32_min_numel: int = 0,
+        fp32_logits: bool = False,
+        fp32_warmup_rounds: int = 0,
+    ) -> None:
+        if downlink not in DOWNLINKS:
+            raise ValueError(
+                f"downlink must be 'reternarize' or 'shared-scale-sum', got {downlink!r}"
+            )
+        if min_replies < 1:
+            raise ValueError(f"min_replies must be >= 1, got {min_replies}")
+        if fp32_warmup_rounds < 0:
+            raise ValueError(f"fp32_warmup_rounds must be >= 0, got {fp32_warmup_rounds}")
+        self._compressor_arg = compressor
+        self.clip_sigma = clip_sigma
+        self.downlink = downlink
+        self.seed = seed
+        self.min_replies = min_replies
+        self.round_offset = 0
+        build_compressor(self.compressor_name(), seed=0, clip_sigma=clip_sigma)  # validates
+        self.shadow = Replica(model_fn(), learning_rate, momentum, version=0)
+        self.param_names = [n for n, p in self.shadow.model.named_parameters() if p.requires_grad]
+        self.dense = exempt_parameters(
+            self.shadow.model, min_numel=fp32_min_numel, logits=fp32_logits
+        )
+        self.fp32_warmup_rounds = fp32_warmup_rounds
+        self._scratch: dict[str, torch.Tensor] | None = None
+        self._round = 0
+        self.log = UpdateLog(update_log_size)
+        self.fingerprints: OrderedDict[int, str] = OrderedDict({0: self.shadow.fingerprint()})
+        self.nodes = NodeBook()
+        self.server_memory = ResidualMemory()
+        self.shared_scales: torch.Tensor | None = None
+        self.reports: list[RoundReport] = []
+
+    # ------------------------------------------------------------ override points
+    def compressor_name(self) -> str:
+        """Override point: the uplink compressor clients use (and the server re-encodes with)."""
+        return self._compressor_arg
+
+    def validate_reply(self, reply: ClientReply, expected_version: int | None) -> None:
+        """Override point: check one parsed reply against the round, before any decoding.
+
+        Parameters
+        ----------
+        reply : ClientReply
+            The parsed reply.
+        expected_version : int | None
+            The version the node was told to reach (None: it was not asked this round, or
+            already replied).
+
+        Raises
+        ------
+        ReplyError
+            A subclass naming the reason (:mod:`fedddl.sync.errors`); the server learns
+            about the node from the class.
+        """
+        node = reply.node_id
+        if expected_version is None:
+            raise UnexpectedReply(
+                f"node {node} was not sent a message this round or already replied"
+            )
+        if reply.resync:
+            raise ResyncRequest(f"node {node} asks to resync from version {reply.model_version}")
+        if reply.model_version != expected_version:
+            raise VersionMismatch(
+                f"node {node} is at version {reply.model_version}, expected {expected_version}"
+            )
+        want = self.fingerprints.get(expected_version)
+        if want is not None and reply.fingerprint != fingerprint_prefix(want).hex():
+            raise FingerprintMismatch(
+                f"node {node} fingerprint mismatch at version {expected_version}"
+            )
+
+    def aggregate_gradients(self, contributions: Iterable[Contribution]) -> Aggregate:
+        """Override point: combine the round's accepted gradients (default: their mean).
+
+        ``contributions`` yields the accepted replies one at a time, each decoded into a
+        buffer that the next one overwrites (copy what you keep). Replies whose payload
+        fails to decode are dropped before they are yielded.
+        """
+        return running_mean(contributions, self._code_scales())
+
+    def encode_downlink(self, server_round: int, aggregate: Aggregate) -> tuple[bytes, str]:
+        """Override point: the broadcast bytes of this round's aggregate, and their format.
+
+        Default: the exact shared-scale sum of the ternary codes when it applies (see
+        :mod:`fedddl.compression.downlink`), else the aggregate re-encoded with the uplink
+        compressor and server-side error feedback. The bytes must decode with
+        :func:`~fedddl.compression.downlink.decode_broadcast`.
+        """
+        if aggregate.code_sums is not None and self.shared_scales is not None:
+            ternary = [n for n in self.param_names if n not in self.dense]
+            scales = dict(zip(self.param_names, self.shared_scales.tolist(), strict=True))
+            sums = {n: aggregate.code_sums[n] for n in ternary}
+            shapes = {n: tuple(aggregate.gradient[n].shape) for n in ternary}
+            count = len(aggregate.contributors)
+            exact = encode_shared_sum(sums, {n: scales[n] for n in ternary}, shapes, count)
+            dense = {n: aggregate.gradient[n] for n in self.param_names if n in self.dense}
+            return encode_bundle(exact, dense), "shared-scale-sum"
+        compressor = build_compressor(
+            self.compressor_for(server_round),
+            seed=derive_seed(self.seed, server_round, 1 << 40),
+            clip_sigma=self.clip_sigma,
+        )
+        payload = encode_reencoded(
+            aggregate.gradient, compressor, self.server_memory, dense=self.dense
+        )
+        return payload, "encoded"
+
+    # ------------------------------------------------------------------ rounds
+    @property
+    def last_report(self) -> RoundReport | None:
+        """The report of the latest aggregated round."""
+        return self.reports[-1] if self.reports else None
+
+    def compressor_for(self, server_round: int) -> str:
+        """The uplink compressor of (global) round ``server_round``: fp32 during warm-up."""
+        if server_round <= self.fp32_warmup_rounds:
+            return WARMUP_COMPRESSOR
+        return self.compressor_name()
+
+    def wants_shared_sum(self, server_round: int) -> bool:
+        """Whether clients report local scales for the ``shared-scale-sum`` downlink."""
+        name = self.compressor_for(server_round)
+        return self.downlink == "shared-scale-sum" and is_ternary(name)
+
+    def plan_round(self, server_round: int, nodes: Iterable[int]) -> dict[int, TrainInstruction]:
+        """Return the instruction of every node of this (global) round.
+
+        Nodes in the same situation get the same instruction object, so a transport can
+        serialize it once.
+        """
+        current = self.shadow.version
+        snapshot: dict[str, torch.Tensor] | None = None
+        shared: dict[tuple[str, int, bool], TrainInstruction] = {}
+        want_scales = self.wants_shared_sum(server_round)
+        compressor = self.compressor_for(server_round)
+        plan: dict[int, TrainInstruction] = {}
+        for node in nodes:
+            known = self.nodes.known_version(node)
+            catch_up = plan_catch_up(known, current, self.log)
+            tell = self.nodes.needs_compressor(node, compressor) or catch_up.kind == "snapshot"
+            key = (catch_up.kind, known if catch_up.kind == "log" else -2, tell)
+            instruction = shared.get(key)
+            if instruction is None:
+                if catch_up.kind == "snapshot" and snapshot is None:
+                    snapshot = self.shadow.snapshot()
+                instruction = TrainInstruction(
+                    server_round=server_round,
+                    model_version=current,
+                    updates=catch_up.updates,
+                    snapshot=snapshot if catch_up.kind == "snapshot" else None,
+                    snapshot_version=current if catch_up.kind == "snapshot" else -1,
+                    compressor=compressor if tell else None,
+                    scales=self.shared_scales if want_scales else None,
+                    want_scales=want_scales,
+                )
+                shared[key] = instruction
+            self.nodes.sent(node, current, compressor)
+            plan[node] = instruction
+        return plan
+
+    def aggregate(
+        self, server_round: int, replies: Iterable[ClientReply | ParseFailure]
+    ) -> RoundReport:
+        """Check, combine and apply this (global) round's replies; return its report."""
+        start = time.perf_counter()
+        report = RoundReport(server_round)
+        screened = [r for r in (self._screen(item, report) for item in replies) if r is not None]
+        self.nodes.end_round()
+        self._round = server_round
+        aggregate = self.aggregate_gradients(self._decoded(screened, report))
+        report.accepted = sorted(r.node_id for r in aggregate.contributors)
+        if aggregate.contributors:
+            report.loss = sum(r.loss for r in aggregate.contributors) / len(aggregate.contributors)
+        if not aggregate.contributors:
+            report.skipped = True
+            logger.log(WARNING, "round %d has no valid reply, no update", server_round)
+        elif len(aggregate.contributors) < self.min_replies:
+            report.skipped = True
+            logger.log(
+                WARNING,
+                "round %d skipped: %d valid replies, need %d; no update applied, "
+                "model version stays %d",
+                server_round,
+                len(aggregate.contributors),
+                self.min_replies,
+                self.shadow.version,
+            )
+        else:
+            self._apply(server_round, aggregate, report)
+        report.version = self.shadow.version
+        report.aggregate_s = time.perf_counter() - start
+        self.reports.append(report)
+        logger.log(
+            INFO,
+            "round %d: %d accepted, %d dropped, version %d, replicas equal: %s",
+            server_round,
+            len(report.accepted),
+            len(report.dropped),
+            report.version,
+            report.replicas_equal,
+        )
+        return report
+
+    def _screen(self, item: ClientReply | ParseFailure, report: RoundReport) -> ClientReply | None:
+        """Validate one reply against the round; record a drop and return None if it fails."""
+        if isinstance(item, ParseFailure):
+            self._drop(report, item.node_id, item.error)
+            return None
+        error: ReplyError | None = None
+        try:
+            self.validate_reply(item, self.nodes.expected_version(item.node_id))
+        except ReplyError as err:
+            error = err
+        self.nodes.learn(item, error)
+        if error is not None:
+            self._drop(report, item.node_id, error)
+            return None
+        report.note_fingerprint_checked()
+        return item
+
+    def _decoded(self, screened: list[ClientReply], report: RoundReport) -> Iterator[Contribution]:
+        """Decode each screened reply into one reused buffer; drop those that do not decode.
+
+        Server memory therefore stays flat in the number of clients: the encoded replies,
+        one fp32 decode buffer and the aggregation's accumulator.
+        """
+        scratch = self._decode_buffers()
+        for reply in screened:
+            try:
+                try:
+                    statistics = self._statistics_of(reply)
+                    assert reply.payload is not None
+                    decode_update(reply.payload, out=scratch)
+                    check_update(self.shadow.model, scratch)
+                except (PayloadError, ReplicaError, StatisticsError) as err:
+                    raise PayloadRejected(f"node {reply.node_id} payload rejected: {err}") from err
+                except Exception as err:  # a decoder bug on hostile input must not end the round
+                    raise PayloadRejected(
+                        f"node {reply.node_id} payload rejected: {type(err).__name__}: {err}"
+                    ) from err
+            except PayloadRejected as err:
+                self._drop(report, reply.node_id, err)
+                continue
+            yield Contribution(reply, scratch, statistics)
+
+    def _decode_buffers(self) -> dict[str, torch.Tensor]:
+        """One float32 CPU buffer per trainable parameter, reused by every reply and round."""
+        if self._scratch is None:
+            self._scratch = {
+                n: torch.zeros(p.shape, dtype=torch.float32)
+                for n, p in self.shadow.model.named_parameters()
+                if p.requires_grad
+            }
+        return self._scratch
+
+    def _statistics_of(self, reply: ClientReply) -> dict[str, torch.Tensor] | None:
+        """The reply's BatchNorm statistics, checked against the model (None: no BatchNorm)."""
+        if not batchnorm_layers(self.shadow.model):
+            if reply.statistics is not None:
+                raise StatisticsError("the model has no BatchNorm layer but statistics came")
+            return None
+        if reply.statistics is None:
+            raise StatisticsError("the model has BatchNorm layers but no statistics came")
+        statistics = decode_update(reply.statistics)
+        check_statistics(self.shadow.model, statistics)
+        return statistics
+
+    def _drop(self, report: RoundReport, node: int, error: ReplyError) -> None:
+        report.dropped[node] = str(error)
+        if isinstance(error, FingerprintMismatch):
+            report.note_fingerprint_checked(mismatch=True)
+        logger.log(WARNING, "dropping reply: %s", error)
+
+    def _apply(self, server_round: int, aggregate: Aggregate, report: RoundReport) -> None:
+        payload, report.downlink_format = self.encode_downlink(server_round, aggregate)
+        if aggregate.statistics:
+            payload = encode_bundle(payload, statistics=aggregate.statistics)
+        update, statistics = decode_broadcast_parts(payload)  # what every client will apply
+        self.shadow.apply_update(update, self.shadow.version + 1, statistics)
+        self.log.append(self.shadow.version, payload)
+        self.fingerprints[self.shadow.version] = self.shadow.fingerprint()
+        while len(self.fingerprints) > max(64, 2 * len(self.log) + 2):
+            self.fingerprints.popitem(last=False)
+        if self.wants_shared_sum(server_round + 1):
+            self._update_shared_scales(aggregate.contributors)
+        else:
+            self.shared_scales = None
+
+    def _code_scales(self) -> dict[str, float] | None:
+        """The shared scales of the ternary-coded tensors, when the shared sum applies."""
+        if not self.wants_shared_sum(self._round) or self.shared_scales is None:
+            return None
+        pairs = zip(self.param_names, self.shared_scales.tolist(), strict=True)
+        return {n: s for n, s in pairs if n not in self.dense}
+
+    def _update_shared_scales(self, contributors: list[ClientReply]) -> None:
+        reported = [r.scales for r in contributors if r.scales is not None]
+        if not reported or any(s.shape != (len(self.param_names),) for s in reported):
+            self.shared_scales = None
+            return
+        shared = max_scales(
+            dict(zip(self.param_names, s.tolist(), strict=True)) for s in reported
+        )
+        self.shared_scales = torch.tensor(
+            [shared[n] for n in self.param_names], dtype=torch.float32
+        )
+
+    # ------------------------------------------------------------- checkpoints
+    def checkpoint(self, server_round: int, config: dict[str, object]) -> ServerCheckpoint:
+        """Capture the server state after global round ``server_round`` (config: the run's)."""
+        return checkpoints.capture(
+            self.shadow,
+            self.log,
+            self.server_memory,
+            self.shared_scales,
+            server_round=server_round,
+            config=config,
+            owner=self._class_name(),
+        )
+
+    def restore(self, ckpt: ServerCheckpoint) -> None:
+        """Continue from ``ckpt``: shadow replica, optimiser, version, log, downlink state.
+
+        Raises
+        ------
+        CheckpointError
+            If the checkpoint does not fit this server's model or optimiser; nothing is
+            changed then.
+        """
+        restored = checkpoints.load(ckpt, self.shadow, self.log.capacity, self._class_name())
+        self.shadow = restored.shadow
+        self.log = restored.log
+        self.server_memory = restored.memory
+        self.shared_scales = restored.shared_scales
+        self.round_offset = ckpt.round
+        self.fingerprints = OrderedDict({self.shadow.version: self.shadow.fingerprint()})
+        self.nodes.forget(unknown_version=-1)  # every node's first message: a snapshot
+        rng = (ckpt.rng_states or {}).get("torch")
+        if isinstance(rng, torch.Tensor):
+            torch.set_rng_state(rng)
+        logger.log(
+            INFO,
+            "restored from checkpoint: round %d, version %d, %d logged updates",
+            ckpt.round,
+            ckpt.version,
+            len(self.log),
+        )
+
+    def _class_name(self) -> str:
+        return f"{type(self).__module__}.{type(self).__qualname__}"
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(compressor={self.compressor_name()!r}, "
+            f"downlink={self.downlink!r}, version={self.shadow.version})"
+        )

@@ -1,0 +1,124 @@
+"""The import rules of docs/ARCHITECTURE.md, enforced by reading every module's imports.
+
+1. ``flwr`` is imported only in ``strategies/``, ``clients/`` and ``fedddl/flower/``.
+2. ``clients/`` and ``strategies/`` never import each other.
+3. The Flower-free core (``fedddl/`` outside ``fedddl/flower/``) imports neither
+   ``strategies``, ``clients`` nor ``fedddl.flower``: entry points and one-release
+   re-exports of moved modules are the named exceptions below.
+4. ``fedddl/flower/`` imports neither ``strategies`` nor ``clients``, except the
+   simulation runner, an entry point that builds both apps.
+
+Imports are read from the syntax tree (``import x`` and ``from x import y``, at any depth,
+including the ones inside functions), so a violation fails here whatever the code path.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("fedddl", "strategies", "clients")
+
+#: Core modules allowed to reach the Flower layer: entry points and moved-module re-exports.
+CORE_EXCEPTIONS = {
+    "fedddl/commands": "command-line entry points",
+    "fedddl/simulate.py": "re-export of fedddl.flower.simulation (moved; one release)",
+    "fedddl/deploy/fast_grid.py": "re-export of fedddl.flower.grid (moved; one release)",
+    "fedddl/deploy/fast_supernode.py": "re-export of fedddl.flower.fast_supernode (one release)",
+    "fedddl/deploy/warm_clientapp.py": "re-export of fedddl.deploy.warm_clientapp (one release)",
+}
+FLOWER_ENTRY_POINTS = {"fedddl/flower/simulation.py"}
+
+
+def _modules() -> list[Path]:
+    return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
+
+
+def imported(path: Path) -> set[str]:
+    """Every absolute module name ``path`` imports (``from a.b import c`` gives ``a.b``)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _under(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def _excepted(rel: str) -> bool:
+    return any(rel == key or rel.startswith(key + "/") for key in CORE_EXCEPTIONS)
+
+
+def violations() -> list[str]:
+    """Every broken rule, as ``"path: imports name (rule N)"``."""
+    found: list[str] = []
+    for path in _modules():
+        rel = _rel(path)
+        top = rel.split("/")[0]
+        in_flower = rel.startswith("fedddl/flower/")
+        for name in sorted(imported(path)):
+            if _under(name, "flwr") and top == "fedddl" and not in_flower:
+                found.append(f"{rel}: imports {name} (rule 1: flwr outside the Flower layer)")
+            if top == "clients" and _under(name, "strategies"):
+                found.append(f"{rel}: imports {name} (rule 2: clients -> strategies)")
+            if top == "strategies" and _under(name, "clients"):
+                found.append(f"{rel}: imports {name} (rule 2: strategies -> clients)")
+            if top == "fedddl" and not in_flower and not _excepted(rel):
+                for banned in ("strategies", "clients", "fedddl.flower"):
+                    if _under(name, banned):
+                        found.append(f"{rel}: imports {name} (rule 3: core -> {banned})")
+            if in_flower and rel not in FLOWER_ENTRY_POINTS:
+                for banned in ("strategies", "clients"):
+                    if _under(name, banned):
+                        found.append(f"{rel}: imports {name} (rule 4: fedddl.flower -> {banned})")
+    return found
+
+
+def test_every_module_follows_the_import_rules() -> None:
+    assert violations() == []
+
+
+def test_the_exceptions_exist() -> None:
+    """An exception for a module that is gone is stale: remove it."""
+    for rel in [*CORE_EXCEPTIONS, *FLOWER_ENTRY_POINTS]:
+        assert (ROOT / rel).exists(), rel
+
+
+@pytest.mark.parametrize(
+    ("rel", "source", "rule"),
+    [
+        ("fedddl/partition.py", "import flwr.app\n", "rule 1"),
+        ("fedddl/sync/server.py", "def f():\n    from strategies import terngrad\n", "rule 3"),
+        ("fedddl/training.py", "from fedddl.flower import records\n", "rule 3"),
+        ("clients/shard.py", "from strategies import registry\n", "rule 2"),
+        ("strategies/sampling.py", "import clients.state\n", "rule 2"),
+        ("fedddl/flower/grid.py", "from clients.client_app import app\n", "rule 4"),
+    ],
+)
+def test_a_violation_is_caught(
+    rel: str, source: str, rule: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The checker really reads imports: planting one bad import makes it fail."""
+    original = Path.read_text
+    target = ROOT / rel
+
+    def read_text(self: Path, *args: object, **kwargs: object) -> str:
+        text = original(self, *args, **kwargs)  # type: ignore[arg-type]
+        return text + "\n" + source if self == target else text
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    found = violations()
+    assert any(v.startswith(rel) and rule in v for v in found), found
