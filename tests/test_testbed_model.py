@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
 from fedddl.commands.testbed import parse_run_config
 from fedddl.network import NetworkModel
 from fedddl.testbed.compare import client_rates
-from fedddl.testbed.flower_run import ACK_OVERHEAD, TCP_OVERHEAD, time_to_target, wire_bounds
+from fedddl.testbed.flower_run import (
+    ACK_OVERHEAD,
+    TCP_OVERHEAD,
+    FlowerTestbed,
+    time_to_target,
+    wire_bounds,
+)
 from fedddl.testbed.gossip_run import gossip_rates, mean_accuracy_curve, shaper_spec
 from fedddl.testbed.netns import LinkRates
 from fedddl.testbed.predict import predict_flower, ratio, star_network
@@ -103,3 +110,13 @@ def test_parse_run_config_reads_flower_syntax_and_refuses_garbage() -> None:
         parse_run_config("dataset=digits")
     with pytest.raises(ValueError, match="cannot parse"):
         parse_run_config("dataset 'digits'")
+
+
+def test_flower_testbed_works_in_an_absolute_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Flower's config file refuses relative certificate paths: a relative --out must work.
+    monkeypatch.chdir(tmp_path)
+    bed = FlowerTestbed([LinkRates()], "out", tmp_path)
+    assert bed.work == tmp_path / "out"
+    assert bed.work.is_absolute()

@@ -137,7 +137,7 @@ class FlowerTestbed:
             raise ValueError("a Flower testbed needs at least one SuperNode")
         if any(r.per_peer_Bps for r in client_rates):
             raise ValueError("SuperNodes talk to the SuperLink only: no per-peer rates")
-        self.work = Path(work_dir)
+        self.work = Path(work_dir).resolve()  # Flower config files need absolute paths
         self.app_dir = Path(app_dir)
         self.tls = tls
         self.start_timeout_s = start_timeout_s

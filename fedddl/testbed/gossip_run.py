@@ -110,7 +110,7 @@ def run_gossip_testbed(
     timeout_s : float
         Bound on the whole run (peers also get it as ``--max-lifetime-s``).
     """
-    work = Path(work_dir)
+    work = Path(work_dir).resolve()
     n = network.num_nodes
     registry = ProcessRegistry()
     options = {"scheduler": scheduler, "max-lifetime-s": timeout_s, **peer_options}
