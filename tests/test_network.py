@@ -61,6 +61,23 @@ def test_busy_uplink_queues_next_send() -> None:
     assert third.duration_s == pytest.approx(0.1)
 
 
+def test_downlink_free_during_latency_lets_transfers_overlap_in_flight() -> None:
+    net = NetworkModel.homogeneous(3, latency_s=0.1, bandwidth_Bps=1000.0)
+    held = LinkScheduler(net)
+    free = LinkScheduler(net, downlink_holds_latency=False)
+    for links in (held, free):
+        first = links.reserve(0, 1, 400, ready_s=1.0)  # bytes arrive in [1.1, 1.5)
+        assert first.end_s == pytest.approx(1.5)
+    # 2 -> 1 at 1.1: held waits for 1.5; free may start at 1.4 (first byte at 1.5).
+    assert held.reserve(2, 1, 100, ready_s=1.1).start_s == pytest.approx(1.5)
+    late = free.reserve(2, 1, 100, ready_s=1.1)
+    assert late.start_s == pytest.approx(1.4)
+    assert late.end_s == pytest.approx(1.6)
+    assert free.downlink_free_at(1) == pytest.approx(1.6)
+    # The uplink is still held for latency + bytes: one send at a time per node.
+    assert free.reserve(0, 2, 100, ready_s=1.2).start_s == pytest.approx(1.5)
+
+
 def test_uplink_only_mode_ignores_receiver() -> None:
     net = NetworkModel.homogeneous(3, latency_s=0.0, bandwidth_Bps=10.0)
     links = LinkScheduler(net, downlink_contention=False)

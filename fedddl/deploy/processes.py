@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +53,7 @@ __all__ = [
     "start_supernode",
     "start_warm_clientapp_server",
     "stopping",
+    "tcp_accepts",
     "wait_for_port",
     "write_flwr_config",
 ]
@@ -275,15 +276,21 @@ class ManagedProcess:
             shutil.rmtree(directory, ignore_errors=True)
 
 
-def _spawn(name: str, argv: Sequence[str], log_path: Path, env: Mapping[str, str],
-           cwd: str | Path | None = None) -> ManagedProcess:
+def _command(argv: Sequence[str], env: Mapping[str, str], prefix: Sequence[str]) -> list[str]:
+    """``prefix + argv`` with ``argv[0]`` resolved on the environment's PATH."""
     executable = shutil.which(argv[0], path=env.get("PATH"))
     if executable is None:
         raise DeploymentError(f"{argv[0]!r} not found on PATH")
+    return [*prefix, executable, *argv[1:]]
+
+
+def _spawn(name: str, argv: Sequence[str], log_path: Path, env: Mapping[str, str],
+           cwd: str | Path | None = None, prefix: Sequence[str] = ()) -> ManagedProcess:
+    command = _command(argv, env, prefix)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log_file:
         popen = subprocess.Popen(
-            [executable, *argv[1:]],
+            command,
             stdout=log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -297,22 +304,37 @@ def _spawn(name: str, argv: Sequence[str], log_path: Path, env: Mapping[str, str
 
 def start_process(
     name: str, argv: Sequence[str], log_dir: str | Path, *, env: Mapping[str, str],
-    cwd: str | Path | None = None,
+    cwd: str | Path | None = None, prefix: Sequence[str] = (),
 ) -> ManagedProcess:
     """Start any command (e.g. a non-blocking ``flwr run``) as a :class:`ManagedProcess`.
 
     Output goes to ``log_dir/NAME.log``; the process gets its own session so
-    :meth:`ManagedProcess.stop` can end its whole tree.
+    :meth:`ManagedProcess.stop` can end its whole tree. ``prefix`` is put in
+    front of the command line (e.g. ``["ip", "netns", "exec", NS]``, which
+    execs the command in place, so the pid is the command's).
     """
-    return _spawn(name, argv, Path(log_dir) / f"{name}.log", env, cwd)
+    return _spawn(name, argv, Path(log_dir) / f"{name}.log", env, cwd, prefix)
+
+
+def tcp_accepts(host: str, port: int) -> bool:
+    """Whether ``host:port`` accepts a TCP connection from this process right now."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
 
 
 def wait_for_port(host: str, port: int, timeout_s: float,
-                  process: ManagedProcess | None = None) -> None:
-    """Wait until ``host:port`` accepts TCP connections (and ``process`` lives)."""
+                  process: ManagedProcess | None = None,
+                  probe: Callable[[str, int], bool] = tcp_accepts) -> None:
+    """Wait until ``probe(host, port)`` (by default: it accepts TCP connections here).
+
+    Raises :class:`DeploymentError` if ``process`` exits first or ``timeout_s`` passes.
+    """
     deadline = time.monotonic() + timeout_s
     while True:
-        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+        if probe(host, port):
             return
         if process is not None and not process.alive():
             raise DeploymentError(
@@ -335,6 +357,8 @@ def start_superlink(
     database: str | Path | None = None,
     extra_args: Sequence[str] = (),
     timeout_s: float = 60.0,
+    prefix: Sequence[str] = (),
+    probe: Callable[[str, int], bool] = tcp_accepts,
 ) -> ManagedProcess:
     """Start ``flower-superlink`` and wait until its port accepts connections.
 
@@ -358,6 +382,11 @@ def start_superlink(
         Appended verbatim.
     timeout_s : float
         How long to wait for readiness.
+    prefix : sequence of str
+        Command prefix (e.g. to run it in another network namespace).
+    probe : callable
+        ``probe(host, port) -> bool``: readiness check (default: a TCP connect from
+        here; a SuperLink in another network namespace needs one made there).
 
     Returns
     -------
@@ -374,10 +403,10 @@ def start_superlink(
     if database is not None:
         argv += ["--database", str(database)]
     argv += list(extra_args)
-    process = _spawn("superlink", argv, Path(log_dir) / "superlink.log", env)
+    process = _spawn("superlink", argv, Path(log_dir) / "superlink.log", env, prefix=prefix)
     process.address = f"{host}:{port}"
     try:
-        wait_for_port(host, port, timeout_s, process)
+        wait_for_port(host, port, timeout_s, process, probe)
         process.refresh_descendants()
     except BaseException:
         process.stop()
@@ -400,6 +429,7 @@ def start_supernode(
     warm_clientapp_preload: Sequence[str] | None = WARM_CLIENTAPP_PRELOAD,
     wait_ready: bool = True,
     timeout_s: float = 60.0,
+    prefix: Sequence[str] = (),
 ) -> ManagedProcess:
     """Start ``flower-supernode``; by default wait until the SuperLink admitted it.
 
@@ -437,7 +467,10 @@ def start_supernode(
     wait_ready : bool
         Wait for the ``SuperNode ID:`` log line (sets ``node_id``).
     timeout_s : float
-        How long to wait for it.
+        How long to wait for it (and for the warm ClientApp server to be ready).
+    prefix : sequence of str
+        Command prefix of the SuperNode and its warm ClientApp server (e.g. to run
+        both in one network namespace: the ClientApps reach the SuperNode on loopback).
     """
     runtime_port = runtime_port if runtime_port is not None else free_ports(1)[0]
     argv = ["flower-supernode", "--superlink", superlink_address,
@@ -454,10 +487,11 @@ def start_supernode(
     warm_server: ManagedProcess | None = None
     if warm_clientapp_preload is not None:
         warm_server, warm_env = start_warm_clientapp_server(
-            f"{name}-warm-clientapp", log_dir, env=env, preload=warm_clientapp_preload
+            f"{name}-warm-clientapp", log_dir, env=env, preload=warm_clientapp_preload,
+            prefix=prefix, timeout_s=timeout_s,
         )
         env = {**env, **warm_env}
-    process = _spawn(name, argv, Path(log_dir) / f"{name}.log", env)
+    process = _spawn(name, argv, Path(log_dir) / f"{name}.log", env, prefix=prefix)
     process.address = f"127.0.0.1:{runtime_port}"
     if warm_server is not None:
         process.companions.append(warm_server)
@@ -479,6 +513,7 @@ def start_warm_clientapp_server(
     env: Mapping[str, str],
     preload: Sequence[str] = ("torch",),
     timeout_s: float = 60.0,
+    prefix: Sequence[str] = (),
 ) -> tuple[ManagedProcess, dict[str, str]]:
     """Start a warm ClientApp fork server; return it and the env a SuperNode needs.
 
@@ -494,7 +529,7 @@ def start_warm_clientapp_server(
     install_shim(shim_dir)
     argv = [sys.executable, "-m", "fedddl.deploy.warm_clientapp", "serve",
             "--socket", str(socket_path), "--preload", ",".join(preload)]
-    server = _spawn(name, argv, Path(log_dir) / f"{name}.log", env)
+    server = _spawn(name, argv, Path(log_dir) / f"{name}.log", env, prefix=prefix)
     server.cleanup_dirs.append(runtime_dir)
     try:
         server.wait_for_log("warm clientapp server ready", timeout_s)
@@ -562,13 +597,11 @@ def run_flwr(
     env: Mapping[str, str],
     cwd: str | Path | None = None,
     timeout_s: float = 300.0,
+    prefix: Sequence[str] = (),
 ) -> subprocess.CompletedProcess[str]:
-    """Run the ``flwr`` CLI in its own process group; kill it all on timeout."""
-    executable = shutil.which("flwr", path=env.get("PATH"))
-    if executable is None:
-        raise DeploymentError("'flwr' not found on PATH")
+    """Run the ``flwr`` CLI (after ``prefix``) in its own process group; kill it all on timeout."""
     popen = subprocess.Popen(
-        [executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        _command(["flwr", *args], env, prefix), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL, env=dict(env), cwd=cwd, text=True, start_new_session=True,
     )
     try:
@@ -583,11 +616,12 @@ def run_flwr(
 
 
 def register_supernode(
-    public_key: Path, connection: str, *, env: Mapping[str, str], timeout_s: float = 60.0
+    public_key: Path, connection: str, *, env: Mapping[str, str], timeout_s: float = 60.0,
+    prefix: Sequence[str] = (),
 ) -> int:
     """Register a SuperNode public key with ``flwr supernode register``; return its node id."""
     result = run_flwr(["supernode", "register", str(public_key), connection, "--format", "json"],
-                      env=env, timeout_s=timeout_s)
+                      env=env, timeout_s=timeout_s, prefix=prefix)
     match = re.search(r'"node-id":\s*(\d+)', result.stdout)
     if result.returncode != 0 or match is None:
         raise DeploymentError(

@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--min-step-s", type=float, default=0.0, help="pace steps (emulate slow CPU)")
     p.add_argument("--send-timeout-s", type=float, default=2.0)
+    p.add_argument(
+        "--no-overlap", action="store_true",
+        help="classic gossip: after each step send a snapshot and wait for it (no sender thread)",
+    )
     p.add_argument("--shaper", default="", help="link delays: '*=LAT_S[/BW_BPS],ID=...'")
     p.add_argument("--max-frame-bytes", type=int, default=64 * 1024 * 1024)
     p.add_argument("--peers-timeout-s", type=float, default=120.0)
@@ -114,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             eval_every=args.eval_every,
             min_step_s=args.min_step_s,
             send_timeout_s=args.send_timeout_s,
+            overlap=not args.no_overlap,
             max_frame_bytes=args.max_frame_bytes,
             seed=args.seed,
         )

@@ -2,13 +2,17 @@
 
 Threads of a :class:`PeerNode`:
 
-* **training** -- SGD steps on the node's shard; between steps it merges the
-  models received since the previous step (under the model lock) and
-  evaluates every ``eval_every`` steps. It never waits on the network.
+* **training** -- SGD steps on the node's shard; before each step it merges the
+  models received since the previous one (under the model lock), so the step
+  starts from the merged model as in the simulator, and it evaluates every
+  ``eval_every`` steps. It never waits on the network (except with ``overlap=False``).
 * **sender** -- whenever the model advanced since its last send, takes a
   snapshot (under the lock), asks the shared :class:`~fedddl.gossip.Scheduler`
   for a partner and ships it; measured transfer times feed the
   :class:`~fedddl.gossip.CommTimeEstimator`. Computation overlaps this.
+  With ``overlap=False`` (classic gossip, the simulator's ``random`` baseline)
+  there is no sender thread: the training thread ships a snapshot after each
+  step (after its ``min_step_s`` pacing) and waits for the send to finish.
 * **state** -- broadcasts the node's :class:`~fedddl.gossip.PeerState` (small
   STATE frames) when its ``enabled`` flag flips, at most every ``state_interval_s``.
 * gRPC workers -- :meth:`PeerNode.handle_frame` validates every frame
@@ -72,6 +76,7 @@ class NodeConfig:
     eval_every: int = 25
     min_step_s: float = 0.0  # pace steps to emulate slower compute
     send_timeout_s: float = 2.0
+    overlap: bool = True  # compute while sending; False: wait for each send after a step
     state_interval_s: float = 0.2
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     seed: int = 0
@@ -161,6 +166,7 @@ class PeerNode:
         self._version = 0
         self._step = 0
         self._steps_per_s = 0.0
+        self._ship_wait_s = 0.0  # training time spent waiting for sends (overlap=False)
         self._pending: dict[int, tuple[dict[str, torch.Tensor], int]] = {}
         self._receiving = 0  # frames being handled right now: our "downlink" is busy
         self._peer_states: dict[int, PeerState] = {}
@@ -211,11 +217,10 @@ class PeerNode:
         self._training.set()
         if not run_threads:
             return
-        for target, name in (
-            (self._train_loop, "train"),
-            (self._send_loop, "sender"),
-            (self._state_loop, "state"),
-        ):
+        loops = [(self._train_loop, "train"), (self._state_loop, "state")]
+        if self.config.overlap:
+            loops.append((self._send_loop, "sender"))
+        for target, name in loops:
             thread = threading.Thread(target=target, name=f"node{self.node_id}-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -325,16 +330,24 @@ class PeerNode:
                 step_start = time.perf_counter()
                 x, y = next(batches)
                 with self._model_lock:
+                    # Average in what arrived since the last step, then step on the merged
+                    # model (as the simulator does: merge on arrival, the next step starts
+                    # from the merged model). Stepping first and merging after would halve
+                    # every step followed by a merge (weight 0.5).
+                    self._merge_pending_locked()
                     compute_gradients(self.model, x, y)
                     self._optimizer.step()
                     self._version += 1
-                    self._merge_pending_locked()
                 self._step += 1
                 if self._step % cfg.eval_every == 0 or self._step == cfg.steps:
                     self._record_accuracy()
                 spare = cfg.min_step_s - (time.perf_counter() - step_start)
                 if spare > 0:
                     self._stop.wait(spare)
+                if not cfg.overlap:
+                    ship_start = time.perf_counter()
+                    self._ship_snapshot()
+                    self._ship_wait_s += time.perf_counter() - ship_start
                 self._steps_per_s = self._step / max(time.perf_counter() - began, 1e-9)
         except Exception as exc:
             self.error = f"training failed: {exc!r}"
@@ -379,18 +392,30 @@ class PeerNode:
             if self._version == last_sent:
                 self._stop.wait(0.002)
                 continue
-            with self._model_lock:
-                version = self._version
-                snapshot = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-            frame = encode_frame(FrameKind.MODEL, self.node_id, self.own_state(), snapshot)
-            peer = self._choose_peer(len(frame))
-            if peer is None:
+            sent = self._ship_snapshot()
+            if sent is None:
                 self._stop.wait(0.005)
-                continue
-            if self._send(peer, frame, is_model=True):
-                last_sent = version
-                with self._state_lock:
-                    self._counters.sent_to[peer] = self._counters.sent_to.get(peer, 0) + 1
+            elif sent >= 0:
+                last_sent = sent
+
+    def _ship_snapshot(self) -> int | None:
+        """Send a snapshot of the model to a scheduled peer.
+
+        Returns its version if it was delivered, -1 if the send failed, None if no
+        peer could be chosen.
+        """
+        with self._model_lock:
+            version = self._version
+            snapshot = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        frame = encode_frame(FrameKind.MODEL, self.node_id, self.own_state(), snapshot)
+        peer = self._choose_peer(len(frame))
+        if peer is None:
+            return None
+        if not self._send(peer, frame, is_model=True):
+            return -1
+        with self._state_lock:
+            self._counters.sent_to[peer] = self._counters.sent_to.get(peer, 0) + 1
+        return version
 
     def _choose_peer(self, frame_bytes: int) -> int | None:
         now = time.monotonic()
@@ -480,6 +505,8 @@ class PeerNode:
             "target_steps": self.config.steps,
             "model_version": self._version,
             "steps_per_s": self._steps_per_s,
+            "overlap": self.config.overlap,
+            "ship_wait_s": self._ship_wait_s,
             "finished": self._done.is_set() and self._step >= self.config.steps,
             "received": sum(counters["received_from"].values()),
             "received_from": {str(k): v for k, v in counters["received_from"].items()},

@@ -56,6 +56,10 @@ class GossipConfig:
         End the run at the evaluation that reaches the target.
     selection
         Partner choice of the scheduled method: ``"proportional"`` (default) or ``"fastest"``.
+    downlink_holds_latency
+        Whether a transfer occupies the receiver's downlink during its latency too
+        (default, as published) or only while its bytes arrive
+        (:class:`fedddl.network.LinkScheduler`; ``False`` matched real peers).
     """
 
     scheduler: str = "scheduled"
@@ -81,6 +85,7 @@ class GossipConfig:
     estimator_alpha: float = 0.3
     stop_at_target: bool = False
     selection: str = "proportional"
+    downlink_holds_latency: bool = True
 
     def __post_init__(self) -> None:
         checks = [

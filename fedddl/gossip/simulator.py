@@ -80,7 +80,9 @@ class GossipSimulation:
         self.nodes = setup.nodes
         self.network = network
         self.progress = progress
-        self.links = LinkScheduler(network)
+        self.links = LinkScheduler(
+            network, downlink_holds_latency=config.downlink_holds_latency
+        )
         kwargs = (
             {"stale_threshold_steps": config.stale_threshold_steps, "selection": config.selection}
             if config.scheduler == "scheduled"

@@ -1,0 +1,236 @@
+"""Side-by-side testbed runs with their predictions: what ``fedddl testbed flower|gossip`` run.
+
+:func:`flower_matrix` starts one deployment and, for each repetition, runs every
+strategy on unlimited links (the reference that measures compute) and then on
+each network, interleaved, so compared runs share processes and machine load.
+:func:`gossip_matrix` runs each gossip variant on the testbed and the gossip
+simulator on the same profile. Both write every result JSON (with its
+``prediction``) and a ``summary.md`` / ``summary.json`` of measured vs predicted
+time to target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from fedddl.network import NetworkModel
+from fedddl.testbed.flower_run import FlowerTestbed, time_to_target
+from fedddl.testbed.gossip_run import run_gossip_testbed
+from fedddl.testbed.netns import LinkRates
+from fedddl.testbed.predict import message_overhead, predict_flower, predict_gossip, ratio
+
+__all__ = ["client_rates", "flower_matrix", "gossip_matrix"]
+
+GossipVariant = tuple[str, str, bool]  # label, scheduler, overlap
+
+
+def client_rates(network: NetworkModel) -> list[LinkRates]:
+    """SuperNode access links from a profile: node ``i``'s uplink is its fastest outgoing
+    link, its downlink the fastest incoming one (exact for homogeneous profiles)."""
+    bw = network.bandwidth_Bps
+    n = network.num_nodes
+    return [
+        LinkRates(
+            uplink_Bps=max(float(bw[i, j]) for j in range(n) if j != i),
+            downlink_Bps=max(float(bw[j, i]) for j in range(n) if j != i),
+        )
+        for i in range(n)
+    ]
+
+
+def _save(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "not reached" if value is None else f"{value:.{digits}f}"
+
+
+def flower_matrix(
+    *,
+    supernodes: int,
+    networks: Sequence[tuple[str, NetworkModel]],
+    strategies: Sequence[str],
+    run_config: Mapping[str, str | int | float | bool],
+    target: float,
+    repeats: int,
+    out_dir: str | os.PathLike[str],
+    app_dir: str | os.PathLike[str],
+    tls: bool = True,
+    resume: bool = False,
+) -> list[dict[str, Any]]:
+    """Run every (repetition, network, strategy) on one deployment; return the summary rows.
+
+    With ``resume``, a run whose results file exists in ``out_dir`` is read instead
+    of run again (e.g. the unlimited references of an earlier call).
+    """
+    out = Path(out_dir)
+    unlimited = [LinkRates()] * supernodes
+    links = [("unlimited", unlimited)] + [(name, client_rates(net)) for name, net in networks]
+    latency = {name: float(net.latency_s.max()) for name, net in networks}
+    rows: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        bed: FlowerTestbed | None = None  # started at the first run that is not resumed
+        for rep in range(repeats):
+            references: dict[str, dict[str, Any]] = {}
+            for link, rates in links:
+                for strategy in strategies:
+                    name = f"{link}-{strategy}-rep{rep}"
+                    done = out / f"{name}.json"
+                    if resume and done.exists():
+                        result = json.loads(done.read_text())
+                    else:
+                        if bed is None:
+                            bed = stack.enter_context(
+                                FlowerTestbed(unlimited, out / "deployment", app_dir, tls=tls))
+                        bed.set_client_rates(rates)
+                        result = bed.run({**run_config, "strategy": strategy}, name,
+                                         target=target)
+                    result["testbed"].update(network=link, target=target,
+                                             time_to_target_s=time_to_target(result, target))
+                    if link == "unlimited":
+                        references[strategy] = result
+                    reference = references[strategy]
+                    prediction = predict_flower(
+                        result, reference, rates,
+                        fab_bytes=int(result["testbed"]["app_bytes"]["fab_per_supernode"]),
+                        target=target,
+                    )
+                    prediction["profile_latency_s_not_emulated"] = latency.get(link, 0.0)
+                    result["prediction"] = prediction
+                    _save(out / f"{name}.json", result)
+                    rows.append(_flower_row(result, prediction, strategy, link, rep))
+    _write_summary(out, rows, _FLOWER_COLUMNS, "Flower deployment on the testbed")
+    return rows
+
+
+def _flower_row(result: Mapping[str, Any], prediction: Mapping[str, Any], strategy: str,
+                link: str, rep: int) -> dict[str, Any]:
+    section = result["testbed"]
+    rounds = result["rounds"]
+    app = section["app_bytes"]
+    wire = section["wire"]
+    measured = section["time_to_target_s"]
+    return {
+        "network": link,
+        "strategy": strategy,
+        "rep": rep,
+        "rounds": len(rounds),
+        "final_accuracy": result["final_accuracy"],
+        "app_MB_per_round": (app["up"] + app["down"]) / len(rounds) / 1e6,
+        "wire_MB": (wire["tx_bytes"] + wire["rx_bytes"]) / 1e6,
+        "rounds_s": sum(float(r["wall_s"]) for r in rounds),
+        "predicted_rounds_s": prediction["total_s"],
+        "time_to_target_s": measured,
+        "predicted_time_to_target_s": prediction["time_to_target_s"],
+        "ratio": ratio(measured, prediction["time_to_target_s"]),
+        "ratio_all_rounds": ratio(sum(float(r["wall_s"]) for r in rounds), prediction["total_s"]),
+        "load_avg": section["load_avg_before"][0],
+    }
+
+
+_FLOWER_COLUMNS = [
+    ("network", "link"), ("strategy", "strategy"), ("rep", "rep"),
+    ("final_accuracy", "final acc"), ("app_MB_per_round", "app MB/round"),
+    ("wire_MB", "wire MB (all)"), ("time_to_target_s", "measured s to target"),
+    ("predicted_time_to_target_s", "predicted s"), ("ratio", "measured/predicted"),
+    ("rounds_s", "measured s, all rounds"), ("predicted_rounds_s", "predicted s, all rounds"),
+    ("ratio_all_rounds", "ratio, all rounds"), ("load_avg", "load (1 min)"),
+]
+
+
+def gossip_matrix(
+    *,
+    network_spec: str,
+    nodes: int,
+    variants: Sequence[GossipVariant],
+    peer_options: Mapping[str, str | int | float],
+    target: float,
+    repeats: int,
+    out_dir: str | os.PathLike[str],
+    seed: int = 0,
+    predict: bool = True,
+) -> list[dict[str, Any]]:
+    """Run each gossip variant on the testbed (and the simulator); return the summary rows."""
+    from fedddl.network import load_network
+
+    out = Path(out_dir)
+    network = load_network(network_spec, nodes, seed=seed)
+    rows: list[dict[str, Any]] = []
+    for rep in range(repeats):
+        for label, scheduler, overlap in variants:
+            name = f"{label}-rep{rep}"
+            result = run_gossip_testbed(
+                network, out / name, scheduler=scheduler, overlap=overlap, target=target,
+                peer_options={"seed": seed, **peer_options},
+            )
+            overhead = message_overhead(result, network)
+            sims = []
+            if predict:  # the simulator as published, then corrected (see fedddl.testbed.predict)
+                for extra, held in ((0.0, True), (overhead, False)):
+                    sim = predict_gossip(result, network_spec, seed=seed, message_overhead_s=extra,
+                                         downlink_holds_latency=held)
+                    sims.append({k: sim[k] for k in (
+                        "time_to_target_s", "curve", "messages", "bytes_total", "final_accuracy",
+                        "compute_time_s", "stale_merges", "message_overhead_s",
+                        "downlink_holds_latency")})
+                result["prediction"], result["prediction_corrected"] = sims
+            _save(out / f"{name}.json", result)
+            predicted = sims[0]["time_to_target_s"] if sims else None
+            corrected = sims[1]["time_to_target_s"] if sims else None
+            rows.append({
+                "variant": label, "rep": rep,
+                "final_accuracy": result["final_accuracy"],
+                "step_s": sum(1 / s for s in result["steps_per_s"]) / nodes,
+                "messages": result["messages"],
+                "app_MB": result["bytes_total"] / 1e6,
+                "wire_MB": result["testbed"]["wire_tx_bytes"] / 1e6,
+                "time_to_target_s": result["time_to_target_s"],
+                "predicted_time_to_target_s": predicted,
+                "ratio": ratio(result["time_to_target_s"], predicted),
+                "predicted_messages": sims[0]["messages"] if sims else None,
+                "message_overhead_ms": 1000 * overhead,
+                "corrected_time_to_target_s": corrected,
+                "corrected_ratio": ratio(result["time_to_target_s"], corrected),
+                "corrected_messages": sims[1]["messages"] if sims else None,
+                "load_avg": result["testbed"]["load_avg_after"][0],
+            })
+    _write_summary(out, rows, _GOSSIP_COLUMNS, f"Gossip peers on the testbed ({network.name})")
+    return rows
+
+
+_GOSSIP_COLUMNS = [
+    ("variant", "variant"), ("rep", "rep"), ("final_accuracy", "final acc"),
+    ("step_s", "s/step"), ("messages", "models sent"), ("app_MB", "app MB"),
+    ("wire_MB", "wire MB"), ("time_to_target_s", "measured s to target"),
+    ("predicted_time_to_target_s", "simulator s"), ("ratio", "measured/simulated"),
+    ("predicted_messages", "simulator models sent"),
+    ("message_overhead_ms", "measured overhead/message (ms)"),
+    ("corrected_time_to_target_s", "corrected simulator s"),
+    ("corrected_ratio", "measured/corrected"),
+    ("corrected_messages", "corrected simulator models sent"), ("load_avg", "load (1 min)"),
+]
+
+
+def _write_summary(out: Path, rows: list[dict[str, Any]],
+                   columns: Sequence[tuple[str, str]], title: str) -> None:
+    _save(out / "summary.json", rows)
+    lines = [f"# {title}", "", "| " + " | ".join(h for _, h in columns) + " |",
+             "|" + " --- |" * len(columns)]
+    for row in rows:
+        cells = []
+        for key, _ in columns:
+            value = row[key]
+            if isinstance(value, float) or value is None:
+                digits = 3 if key in ("final_accuracy", "app_MB_per_round", "step_s") else 2
+                cells.append(_fmt(value, digits))
+            else:
+                cells.append(str(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    (out / "summary.md").write_text("\n".join(lines) + "\n")

@@ -1,0 +1,203 @@
+"""What the simulators predict for a testbed run, to set next to what was measured.
+
+Flower runs (:func:`predict_flower`) use the ``fedddl.network`` model on a star:
+SuperNode ``i`` reaches the SuperLink over its own access link (uplink
+``B_up_i``, downlink ``B_down_i``, latency ``L``), all clients in parallel, so a
+synchronous round takes::
+
+    t_round(k) = c(k) + max_i (L + up_i(k) / B_up_i) + max_i (L + down_i(k) / B_down_i)
+
+with ``up_i`` / ``down_i`` the round's byte totals of the application's count
+split evenly over the clients, plus, in round 1, the app bundle (FAB) every
+SuperNode downloads. ``c(k)`` is measured on the *same testbed without limits*
+(a reference run of the same configuration): its round 1 and the median of its
+other rounds. Nothing else of the testbed run enters the prediction except its
+byte counts and its accuracy per round (training is the same with and without
+limits).
+
+Gossip runs (:func:`predict_gossip`) run the discrete-event simulator
+(:func:`fedddl.gossip.run_gossip`) with the same network, nodes, data and
+optimiser, and the peers' measured step time as its compute time. For a
+*corrected* prediction, the receiver's downlink is not held during a transfer's
+latency (``downlink_holds_latency=False``, see :class:`fedddl.network.LinkScheduler`)
+and every link's latency is raised by the measured per-message software overhead
+(:func:`message_overhead`: what the peers' transfer times exceed the network
+model's by).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from fedddl.network import NetworkModel
+from fedddl.testbed.netns import LinkRates
+
+__all__ = ["message_overhead", "predict_flower", "predict_gossip", "ratio", "star_network"]
+
+
+def star_network(clients: Sequence[LinkRates], latency_s: float = 0.0) -> NetworkModel:
+    """``N + 1``-node network: clients ``0..N-1`` and the server ``N`` on their access links.
+
+    Unlimited directions get 1e12 bytes/s (no measurable time).
+    """
+    n = len(clients)
+    big = 1e12
+    bandwidth = [[big] * (n + 1) for _ in range(n + 1)]
+    for i, rates in enumerate(clients):
+        bandwidth[i][n] = rates.uplink_Bps or big
+        bandwidth[n][i] = rates.downlink_Bps or big
+    latency = [[latency_s] * (n + 1) for _ in range(n + 1)]
+    return NetworkModel(latency, bandwidth, name="star")
+
+
+def predict_flower(
+    result: Mapping[str, Any],
+    reference: Mapping[str, Any],
+    clients: Sequence[LinkRates],
+    *,
+    fab_bytes: int = 0,
+    latency_s: float = 0.0,
+    target: float | None = None,
+) -> dict[str, Any]:
+    """Predicted round times and time to ``target`` of the testbed run ``result``.
+
+    Parameters
+    ----------
+    result, reference : mapping
+        Results JSON of the run and of the unlimited reference run.
+    clients : sequence of LinkRates
+        The run's SuperNode access links.
+    fab_bytes : int
+        Size of the app bundle each SuperNode fetches in round 1.
+    latency_s : float
+        One-way latency of every access link.
+    target : float, optional
+        Accuracy target.
+
+    Returns
+    -------
+    dict
+        ``round_s`` (predicted per round), ``compute_s`` (round 1 and later rounds),
+        ``transfer_s`` (sum over rounds), ``fab_s``, ``total_s`` and ``time_to_target_s``.
+    """
+    rounds = sorted(result["rounds"], key=lambda r: int(r["round"]))
+    ref = [float(r["wall_s"]) for r in sorted(reference["rounds"], key=lambda r: int(r["round"]))]
+    first, later = ref[0], statistics.median(ref[1:]) if len(ref) > 1 else ref[0]
+    n = len(clients)
+    net = star_network(clients, latency_s)
+    server = n
+    times, transfer_total, fab_s = [], 0.0, 0.0
+    for index, record in enumerate(rounds):
+        up, down = int(record["bytes_up"]) / n, int(record["bytes_down"]) / n
+        transfer = max(net.transfer_time(i, server, round(up)) for i in range(n)) if up else 0.0
+        if down:
+            transfer += max(net.transfer_time(server, i, round(down)) for i in range(n))
+        if index == 0 and fab_bytes:
+            fab_s = max(net.transfer_time(server, i, fab_bytes) for i in range(n))
+            transfer += fab_s
+        transfer_total += transfer
+        times.append((first if index == 0 else later) + transfer)
+    reached = None
+    if target is not None:
+        elapsed = 0.0
+        for record, seconds in zip(rounds, times, strict=True):
+            elapsed += seconds
+            if float(record["accuracy"]) >= target:
+                reached = elapsed
+                break
+    return {
+        "round_s": times,
+        "compute_s": {"round1": first, "median_later": later},
+        "transfer_s": transfer_total,
+        "fab_s": fab_s,
+        "total_s": sum(times),
+        "time_to_target_s": reached,
+    }
+
+
+def message_overhead(result: Mapping[str, Any], network: NetworkModel) -> float:
+    """Mean seconds by which the peers' measured model transfers exceed the model's time.
+
+    Weighted by the number of models sent on each link; a model message has the
+    size the peers sent on average.
+    """
+    nodes = result["nodes"]
+    size = sum(int(m["bytes_sent"]) for m in nodes) / max(1, sum(int(m["sent"]) for m in nodes))
+    excess, count = 0.0, 0
+    for m in nodes:
+        i = int(m["node_id"])
+        for peer, seconds in m["mean_transfer_s"].items():
+            sent = int(m["sent_to"].get(peer, 0))
+            excess += sent * (float(seconds) - network.transfer_time(i, int(peer), round(size)))
+            count += sent
+    return excess / count if count else 0.0
+
+
+def predict_gossip(
+    result: Mapping[str, Any], network: str, *, eval_interval_s: float = 0.25,
+    seed: int = 0, message_overhead_s: float = 0.0, downlink_holds_latency: bool = True,
+) -> dict[str, Any]:
+    """Run the gossip simulator for the configuration of a testbed gossip ``result``.
+
+    The compute time per step is the peers' mean measured time per step (pacing
+    included) without the time spent waiting for sends (classic gossip waits
+    after every step; the simulator adds that wait itself); the simulated span is
+    1.5x the measured duration. ``message_overhead_s`` is added to every link's latency;
+    ``downlink_holds_latency`` is passed to the simulator.
+    """
+    from fedddl.gossip import run_gossip
+    from fedddl.network import load_network
+
+    cfg = result["config"]
+    nodes = int(cfg["nodes"])
+    step_s = statistics.mean(
+        1.0 / float(m["steps_per_s"]) - float(m.get("ship_wait_s", 0.0)) / int(m["steps"])
+        for m in result["nodes"]
+    )
+    config = {
+        "scheduler": cfg["scheduler"],
+        "overlap": bool(cfg["overlap"]),
+        "network": network,
+        "nodes": nodes,
+        "dataset": str(cfg.get("dataset", "digits")),
+        "data_root": str(cfg.get("data-root", "")) or None,
+        "partition": str(cfg.get("partition", "stratified")),
+        "arch": str(cfg.get("arch", "")) or None,
+        "target_accuracy": float(cfg["target_accuracy"]),
+        "max_virtual_time_s": 1.5 * float(result["duration_s"]),
+        "seed": seed,
+        "lr": float(cfg.get("learning-rate", 0.1)),
+        "batch_size": int(cfg.get("batch-size", 32)),
+        "compute_time_s": step_s,
+        "eval_interval_s": eval_interval_s,
+        "eval_samples": 0,
+        "downlink_holds_latency": downlink_holds_latency,
+    }
+    if not message_overhead_s:
+        sim = run_gossip(config)
+    else:
+        data = load_network(network, nodes, seed=seed).to_dict()
+        data["latency_s"] = [
+            [0.0 if i == j else float(lat) + message_overhead_s for j, lat in enumerate(row)]
+            for i, row in enumerate(data["latency_s"])
+        ]
+        with tempfile.TemporaryDirectory(prefix="fedddl-net-") as tmp:
+            path = Path(tmp) / "network-plus-overhead.json"
+            path.write_text(json.dumps(data))
+            sim = run_gossip({**config, "network": str(path)})
+    sim["compute_time_s"] = step_s
+    sim["message_overhead_s"] = message_overhead_s
+    sim["downlink_holds_latency"] = downlink_holds_latency
+    return sim
+
+
+def ratio(measured: float | None, predicted: float | None) -> float | None:
+    """``measured / predicted``, or None when either is missing."""
+    if measured is None or predicted is None or predicted <= 0:
+        return None
+    return measured / predicted

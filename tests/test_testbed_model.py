@@ -1,0 +1,122 @@
+"""Pure parts of the testbed: link rates, predictions, curves, wire bands, CLI parsing."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from fedddl.commands.testbed import parse_run_config
+from fedddl.network import NetworkModel
+from fedddl.testbed.compare import client_rates
+from fedddl.testbed.flower_run import (
+    ACK_OVERHEAD,
+    TCP_OVERHEAD,
+    FlowerTestbed,
+    time_to_target,
+    wire_bounds,
+)
+from fedddl.testbed.gossip_run import gossip_rates, mean_accuracy_curve, shaper_spec
+from fedddl.testbed.netns import LinkRates
+from fedddl.testbed.predict import predict_flower, ratio, star_network
+
+
+def _result(walls: list[float], accs: list[float], up: int, down: int) -> dict[str, object]:
+    return {"rounds": [{"round": i + 1, "wall_s": w, "accuracy": a, "bytes_up": up,
+                        "bytes_down": down if i else 0}
+                       for i, (w, a) in enumerate(zip(walls, accs, strict=True))]}
+
+
+def test_link_rates_reject_nonsense() -> None:
+    with pytest.raises(ValueError, match="link rate"):
+        LinkRates(uplink_Bps=0.0)
+    with pytest.raises(ValueError, match="link rate"):
+        LinkRates(per_peer_Bps={1: float("nan")})
+
+
+def test_gossip_rates_follow_the_matrix_and_shaper_adds_its_latency() -> None:
+    net = NetworkModel([[0, 0.01, 0.2], [0.01, 0, 0.2], [0.2, 0.2, 0]],
+                       [[0, 1e8, 2e6], [1e8, 0, 2e6], [1e6, 1e6, 0]])
+    rates = gossip_rates(net)
+    assert rates[0].per_peer_Bps == {1: 1e8, 2: 2e6}
+    assert rates[0].uplink_Bps == 1e8 and rates[0].downlink_Bps == 1e8
+    assert rates[2].uplink_Bps == 1e6 and rates[2].downlink_Bps == 2e6
+    assert shaper_spec(net, 2) == "0=0.2,1=0.2"
+
+
+def test_client_rates_of_a_homogeneous_profile_are_its_bandwidth() -> None:
+    rates = client_rates(NetworkModel.homogeneous(3, 0.0, 1.25e6))
+    assert all(r.uplink_Bps == r.downlink_Bps == 1.25e6 for r in rates)
+
+
+def test_predict_flower_adds_per_client_transfers_to_the_reference_compute() -> None:
+    reference = _result([5.0, 2.0, 4.0, 3.0], [0.1, 0.5, 0.7, 0.9], 100, 100)
+    run = _result([9.0, 9.0, 9.0, 9.0], [0.1, 0.5, 0.7, 0.9], 2_000_000, 1_000_000)
+    clients = [LinkRates(uplink_Bps=1e6, downlink_Bps=5e5)] * 2
+    p = predict_flower(run, reference, clients, fab_bytes=500_000, target=0.7)
+    # Round 1: reference round 1 (5 s) + 1 MB up per client at 1 MB/s + FAB 0.5 MB at 0.5 MB/s.
+    assert p["round_s"][0] == pytest.approx(5.0 + 1.0 + 1.0)
+    # Later: median of the reference's later rounds (3 s) + 1 s up + 0.5 MB down at 0.5 MB/s.
+    assert p["round_s"][1:] == pytest.approx([5.0, 5.0, 5.0])
+    assert p["time_to_target_s"] == pytest.approx(7.0 + 5.0 + 5.0)
+    assert p["fab_s"] == pytest.approx(1.0)
+    assert p["transfer_s"] == pytest.approx(2.0 + 3 * 2.0)
+
+
+def test_star_network_leaves_unlimited_directions_fast() -> None:
+    net = star_network([LinkRates(uplink_Bps=1e6), LinkRates()], latency_s=0.01)
+    assert net.transfer_time(0, 2, 1_000_000) == pytest.approx(1.01)
+    assert net.transfer_time(2, 0, 1_000_000) < 0.011
+    assert net.transfer_time(1, 2, 1_000_000) < 0.011
+
+
+def test_time_to_target_sums_round_times_until_the_first_crossing() -> None:
+    run = _result([2.0, 3.0, 4.0], [0.3, 0.8, 0.6], 1, 1)
+    assert time_to_target(run, 0.7) == 5.0
+    assert time_to_target(run, 0.9) is None
+    assert ratio(10.0, 8.0) == 1.25 and ratio(None, 8.0) is None and ratio(1.0, 0.0) is None
+
+
+def test_mean_accuracy_curve_aligns_nodes_on_wall_clock() -> None:
+    metrics = [
+        {"started_at": 100.0,
+         "accuracy": [{"t": 0.0, "accuracy": 0.1}, {"t": 2.0, "accuracy": 0.9}]},
+        {"started_at": 101.0,
+         "accuracy": [{"t": 0.0, "accuracy": 0.3}, {"t": 2.0, "accuracy": 0.5}]},
+    ]
+    curve = mean_accuracy_curve(metrics)
+    assert curve == [[0.0, pytest.approx(0.2)], [1.0, pytest.approx(0.2)],
+                     [2.0, pytest.approx(0.6)], [3.0, pytest.approx(0.7)]]
+
+
+def test_wire_bounds_are_payload_plus_framing_up_to_idle_traffic() -> None:
+    section = {"app_bytes": {"up": 1_000_000, "down": 500_000, "fab_per_supernode": 250_000},
+               "supernodes": 2, "idle_rate_Bps": {"tx": 1000.0, "rx": 100.0}, "run_s": 10.0}
+    bounds = wire_bounds(section, slack=0.0)
+    low, high = bounds["tx_bytes"]
+    assert low == pytest.approx(1e6 * (1 + TCP_OVERHEAD) + 1e6 * ACK_OVERHEAD)
+    assert high == pytest.approx(low + 10_000)
+    low, high = bounds["rx_bytes"]
+    assert low == pytest.approx(1e6 * (1 + TCP_OVERHEAD) + 1e6 * ACK_OVERHEAD)
+    assert high == pytest.approx(low + 1000)
+    assert math.isclose(TCP_OVERHEAD, 66 / 1448)
+
+
+def test_parse_run_config_reads_flower_syntax_and_refuses_garbage() -> None:
+    assert parse_run_config("dataset='fashion-mnist' num-server-rounds=30 lr=0.05 x=true") == {
+        "dataset": "fashion-mnist", "num-server-rounds": 30, "lr": 0.05, "x": True}
+    with pytest.raises(ValueError, match="quoted string"):
+        parse_run_config("dataset=digits")
+    with pytest.raises(ValueError, match="cannot parse"):
+        parse_run_config("dataset 'digits'")
+
+
+def test_flower_testbed_works_in_an_absolute_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Flower's config file refuses relative certificate paths: a relative --out must work.
+    monkeypatch.chdir(tmp_path)
+    bed = FlowerTestbed([LinkRates()], "out", tmp_path)
+    assert bed.work == tmp_path / "out"
+    assert bed.work.is_absolute()
