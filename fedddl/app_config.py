@@ -17,15 +17,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from fedddl.defenses import Defenses
 from fedddl.devices import check_device_name
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from fedddl.defenses import Defenses
-
 __all__ = ["DOWNLINKS", "PARTITIONS", "AppConfig"]
+
+_DEFENSES = Defenses()  # the defence keys' defaults are the server's
 
 # Keys of the gossip mode share the Flower run config but not this dataclass.
 GOSSIP_KEY_PREFIX = "gossip-"
@@ -183,12 +184,12 @@ class AppConfig:
     checkpoint_keep: int = 3
     checkpoint_allow_fresh_start: bool = False
     checkpoint_key_file: str = ""
-    aggregator: str = "mean"
-    trim_fraction: float = 0.2
-    scale_bound: float = 8.0
-    scale_bound_action: str = "clip"
-    scale_bound_rounds: int = 10
-    resync_interval: int = 30
+    aggregator: str = _DEFENSES.aggregator
+    trim_fraction: float = _DEFENSES.trim_fraction
+    scale_bound: float = _DEFENSES.scale_bound
+    scale_bound_action: str = _DEFENSES.scale_bound_action
+    scale_bound_rounds: int = _DEFENSES.scale_bound_rounds
+    resync_interval: int = _DEFENSES.resync_interval
     attack: str = ""
     num_attackers: int = 0
 
@@ -335,8 +336,6 @@ class AppConfig:
         ValueError
             Naming a bad setting.
         """
-        from fedddl.defenses import Defenses
-
         return Defenses(
             aggregator=self.aggregator,
             trim_fraction=self.trim_fraction,

@@ -55,3 +55,23 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
         yield request.param
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.fixture()
+def fedddl_warnings() -> Iterator[list[str]]:
+    """Messages of the WARNING (and above) records logged under ``fedddl`` during the test."""
+    import logging
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = Collect(level=logging.WARNING)
+    logger = logging.getLogger("fedddl")
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import io
-import logging
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,23 +119,6 @@ def test_restore_keeps_the_scale_bound_history(trained: Cluster) -> None:
     fresh.server.restore(trained.server.checkpoint(3, {}))
     assert fresh.server.scale_bound.state() == trained.server.scale_bound.state()
     assert len(fresh.server.scale_bound.history) == 3
-
-
-@pytest.fixture()
-def fedddl_warnings() -> Iterator[list[str]]:
-    lines: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    handler = Collect(level=logging.WARNING)
-    logger = logging.getLogger("fedddl")
-    logger.addHandler(handler)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)
 
 
 def test_skipped_checkpoints_are_logged_and_none_readable_stops_the_run(

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import tracemalloc
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -171,23 +169,6 @@ def test_robust_aggregators_run_end_to_end(aggregator: str) -> None:
     assert result["config"]["aggregator"] == aggregator
     assert [r["model_version"] for r in result["rounds"]] == [1, 2, 3]
     assert result["final_accuracy"] > result["initial"]["accuracy"]
-
-
-@pytest.fixture()
-def fedddl_warnings() -> Iterator[list[str]]:
-    lines: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    handler = Collect(level=logging.WARNING)
-    logger = logging.getLogger("fedddl")
-    logger.addHandler(handler)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)
 
 
 def test_exceptions_in_override_points_drop_a_reply_or_skip_a_round(
