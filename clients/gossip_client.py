@@ -20,6 +20,10 @@ Node config keys (``--node-config`` of a SuperNode, all optional):
 ``gossip-state-dir``
     Where its files live; default ``<run dir>/node-<gossip id>`` with the run
     dir from the coordinator or ``$TMPDIR/fedddl-gossip/run-<run id>``.
+``gossip-tls-dir``
+    This machine's TLS folder for the peer (``ca.crt`` and ``node-<id>.pem`` /
+    ``.key``); it replaces the run config's ``gossip-tls-dir`` and
+    ``gossip-insecure``, so each machine needs only its own node's key.
 """
 
 from __future__ import annotations
@@ -102,6 +106,9 @@ def _start(
     options = json.loads(str(request.get("peer-options", "{}")))
     if not isinstance(options, dict):
         raise ValueError("peer-options must be a JSON object")
+    tls_dir = context.node_config.get("gossip-tls-dir")
+    if tls_dir:  # this machine's own TLS folder
+        options = {**options, "tls-dir": str(tls_dir), "insecure": False}
     args = peer_cli_args(
         gossip_id,
         _int(request, "num-nodes"),

@@ -8,8 +8,14 @@
    address it serves on;
 3. ``peers``: every node gets the full address list; peers start training and
    exchange models with each other over gRPC;
-4. ``status`` polls until every peer finished (or exited, or the timeout);
-5. ``stop``: peers are stopped (also on error) and their final metrics collected.
+4. ``status`` polls until every peer finished (or exited, or the timeout). A
+   node that fails a poll -- its SuperNode is gone (Flower answers with an
+   error), or ``lost_after_polls`` polls in a row got no reply within
+   ``status_timeout_s`` -- is *lost*: it is recorded in
+   :attr:`GossipResult.lost` and no longer waited for, and the others finish
+   (their peers back off from the dead peer after a send timeout or two);
+5. ``stop``: the remaining peers are stopped (also on error) and their final
+   metrics collected.
 
 Every message either way is a few hundred bytes (:attr:`GossipResult.max_message_bytes`).
 """
@@ -19,7 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +72,10 @@ class GossipConfig:
         Deadlines for nodes to connect, peers to start, training to finish.
     poll_interval_s : float
         Seconds between status polls.
+    status_timeout_s : float
+        Deadline of one status poll.
+    lost_after_polls : int
+        Polls in a row without a reply after which a node counts as lost.
     message_timeout_s : float
         Deadline of each round of messages.
     results_path : str
@@ -79,6 +89,8 @@ class GossipConfig:
     startup_timeout_s: float = 120.0
     run_timeout_s: float = 600.0
     poll_interval_s: float = 1.0
+    status_timeout_s: float = 30.0
+    lost_after_polls: int = 3
     message_timeout_s: float = 180.0
     results_path: str = ""
 
@@ -93,7 +105,9 @@ class GossipConfig:
             "startup_timeout_s",
             "run_timeout_s",
             "poll_interval_s",
+            "status_timeout_s",
             "message_timeout_s",
+            "lost_after_polls",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"GossipConfig.{name} must be > 0, got {getattr(self, name)}")
@@ -102,7 +116,8 @@ class GossipConfig:
     def from_run_config(cls, run_config: Mapping[str, Any]) -> GossipConfig:
         """Build from a Flower run config: ``gossip-nodes``, ``gossip-run-dir``,
         ``gossip-run-timeout-s``, ``results-path`` and ``gossip-<peer option>``
-        (e.g. ``gossip-steps``, ``gossip-scheduler``, ``gossip-shaper``)."""
+        (e.g. ``gossip-steps``, ``gossip-scheduler``, ``gossip-tls-dir``,
+        ``gossip-insecure``, ``gossip-compressor``)."""
         options = {
             key: run_config[f"gossip-{key}"]
             for key in PEER_OPTIONS
@@ -128,6 +143,7 @@ class GossipResult:
     total_message_bytes: int = 0
     max_message_bytes: int = 0
     array_records_seen: int = 0  # model tensors in any coordinator message: must stay 0
+    lost: dict[int, str] = field(default_factory=dict)  # gossip id -> why it was given up
     phase_s: dict[str, float] = field(default_factory=dict)  # seconds spent per phase
     wall_s: float = 0.0
 
@@ -241,10 +257,11 @@ def run_gossip(grid: Grid, context: Context, config: GossipConfig) -> GossipResu
         collect(
             OP_PEERS, channel.request(OP_PEERS, per_node(peers=peers), config.message_timeout_s)
         )
-        _poll_until_done(channel, per_node(), collect, config)
+        _poll_until_done(channel, per_node(), gossip_ids, result)
         mark = phase("train", mark)
     finally:
-        _stop_all(channel, per_node(), gossip_ids, result)
+        live = {f: fields for f, fields in per_node().items() if gossip_ids[f] not in result.lost}
+        _stop_all(channel, live, gossip_ids, result)
         phase("stop", mark)
     result.wall_s = time.monotonic() - began
     if config.results_path:
@@ -260,6 +277,8 @@ def _stop_all(
 ) -> None:
     final = channel.request(OP_STOP, requests, channel.config.message_timeout_s)
     for flower_id, gossip_id in gossip_ids.items():
+        if flower_id not in requests:
+            continue
         try:
             fields, numbers = _fields(final.get(flower_id), gossip_id, OP_STOP)
         except GossipError as exc:  # keep stopping the others
@@ -272,16 +291,34 @@ def _stop_all(
 def _poll_until_done(
     channel: _Channel,
     requests: dict[int, dict[str, Any]],
-    collect: Any,
-    config: GossipConfig,
+    gossip_ids: Mapping[int, int],
+    result: GossipResult,
 ) -> None:
+    config = channel.config
     deadline = time.monotonic() + config.run_timeout_s
+    missed: dict[int, int] = {}
     while True:
-        statuses: Iterable[tuple[dict[str, Any], dict[str, Any]]] = collect(
-            OP_STATUS, channel.request(OP_STATUS, requests, config.message_timeout_s)
-        ).values()
-        if all(n.get("finished") or n.get("exited") or not n.get("alive") for _, n in statuses):
-            return
+        live = {f: r for f, r in requests.items() if gossip_ids[f] not in result.lost}
+        replies = channel.request(OP_STATUS, live, config.status_timeout_s)
+        statuses: list[dict[str, Any]] = []
+        for flower_id in live:
+            gossip_id = gossip_ids[flower_id]
+            reply = replies.get(flower_id)
+            try:
+                _, numbers = _fields(reply, gossip_id, OP_STATUS)
+            except GossipError as exc:
+                gone = reply is not None and reply.has_error()  # Flower: node unavailable
+                missed[flower_id] = missed.get(flower_id, 0) + 1
+                if gone or missed[flower_id] >= config.lost_after_polls:
+                    result.lost[gossip_id] = str(exc)
+                    _log.warning("gossip node %d lost: %s", gossip_id, exc)
+                continue
+            missed[flower_id] = 0
+            statuses.append(numbers)
+        if all(n.get("finished") or n.get("exited") or not n.get("alive") for n in statuses):
+            if len(result.lost) < len(requests):
+                return
+            raise GossipError("every gossip node was lost")
         if time.monotonic() > deadline:
             _log.warning("gossip run timed out after %.0f s; stopping peers", config.run_timeout_s)
             return
