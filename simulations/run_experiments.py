@@ -2,7 +2,8 @@
 
 Usage::
 
-    python simulations/run_experiments.py --experiment {sharding,ternary,gossip,all} \\
+    python simulations/run_experiments.py \\
+        --experiment {sharding,ternary,gossip,compressed_gossip,all} \\
         --seeds 0 1 2 --dataset digits --out results/ [--data-root R] [--quick] [--resume]
 
 Each experiment is a TOML file in ``simulations/experiments/`` (see
@@ -39,7 +40,7 @@ __all__ = [
     "EXPERIMENTS", "build_parser", "hardware_description", "main", "parse_only", "run_suite",
 ]
 
-EXPERIMENTS: tuple[str, ...] = ("sharding", "ternary", "gossip")
+EXPERIMENTS: tuple[str, ...] = ("sharding", "ternary", "gossip", "compressed_gossip")
 
 Runner = Callable[[dict[str, Any]], dict[str, Any]]
 

@@ -2,8 +2,10 @@
 
 ``run_gossip(grid, context, config)`` is the ServerApp logic of gossip mode:
 
-1. wait for ``num_nodes`` Flower nodes and give them gossip ids 0..N-1 (sorted
-   Flower node ids);
+1. wait for ``num_nodes`` Flower nodes and give them gossip ids 0..N-1: a node
+   whose node config pins one (``gossip-id``, the id its TLS certificate
+   names) gets it; the others get the remaining ids in the order of their
+   Flower node ids (``hello``);
 2. ``start``: every node's handler spawns its peer process and replies with the
    address it serves on;
 3. ``peers``: every node gets the full address list; peers start training and
@@ -23,14 +25,15 @@ Every message either way is a few hundred bytes (:attr:`GossipResult.max_message
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any
 
 from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.common.logger import log
 from flwr.common.serde import recorddict_to_proto
 from flwr.serverapp import Grid
 
@@ -39,6 +42,7 @@ from fedddl.gossip.peer_launcher import PEER_OPTIONS
 from fedddl.gossip.peer_protocol import (
     MESSAGE_TYPE,
     METRICS_RECORD,
+    OP_HELLO,
     OP_PEERS,
     OP_START,
     OP_STATUS,
@@ -48,8 +52,6 @@ from fedddl.gossip.peer_protocol import (
 )
 
 __all__ = ["GossipConfig", "GossipError", "GossipResult", "run_gossip"]
-
-_log = logging.getLogger(__name__)
 
 
 class GossipError(RuntimeError):
@@ -190,6 +192,27 @@ def _fields(reply: Message | None, node: int, op: str) -> tuple[dict[str, Any], 
     return config, dict(reply.content.metric_records.get(METRICS_RECORD, {}))
 
 
+def _assign_ids(channel: _Channel, node_ids: list[int]) -> dict[int, int]:
+    """Gossip id of each Flower node: its pinned one, else the next free one in order."""
+    replies = channel.request(
+        OP_HELLO, {f: {} for f in node_ids}, channel.config.message_timeout_s
+    )
+    pins: dict[int, int] = {}
+    for flower_id in node_ids:
+        fields, _ = _fields(replies.get(flower_id), flower_id, OP_HELLO)
+        pinned = int(fields.get("pinned-id", -1))
+        if pinned < 0:
+            continue
+        if pinned >= len(node_ids) or pinned in pins.values():
+            raise GossipError(
+                f"Flower node {flower_id} pins gossip id {pinned}, which is out of range "
+                f"0..{len(node_ids) - 1} or pinned twice ({pins})"
+            )
+        pins[flower_id] = pinned
+    free = iter(sorted(set(range(len(node_ids))) - set(pins.values())))
+    return {f: pins[f] if f in pins else next(free) for f in node_ids}
+
+
 def _wait_for_nodes(grid: Grid, count: int, timeout_s: float) -> list[int]:
     deadline = time.monotonic() + timeout_s
     while len(node_ids := sorted(grid.get_node_ids())) < count:
@@ -209,9 +232,10 @@ def run_gossip(grid: Grid, context: Context, config: GossipConfig) -> GossipResu
     """
     began = time.monotonic()
     node_ids = _wait_for_nodes(grid, config.num_nodes, config.node_wait_s)
-    gossip_ids = {flower_id: index for index, flower_id in enumerate(node_ids)}
-    result = GossipResult({}, {g: f for f, g in gossip_ids.items()}, {})
+    result = GossipResult({}, {}, {})
     channel = _Channel(grid, result, config)
+    gossip_ids = _assign_ids(channel, node_ids)
+    result.flower_node_ids = {g: f for f, g in gossip_ids.items()}
 
     def per_node(**fields: Any) -> dict[int, dict[str, Any]]:
         base = {"run-dir": config.run_dir} if config.run_dir else {}
@@ -252,11 +276,12 @@ def run_gossip(grid: Grid, context: Context, config: GossipConfig) -> GossipResu
                     )
                 time.sleep(min(config.poll_interval_s, 0.5))
         mark = phase("start_peers", mark)
-        _log.info("gossip peers up: %s", result.addresses)
+        log(INFO, "gossip peers up: %s", result.addresses)
         peers = format_peers(result.addresses)
         collect(
             OP_PEERS, channel.request(OP_PEERS, per_node(peers=peers), config.message_timeout_s)
         )
+        log(INFO, "gossip training: every peer has its peer list; polling status")
         _poll_until_done(channel, per_node(), gossip_ids, result)
         mark = phase("train", mark)
     finally:
@@ -282,9 +307,10 @@ def _stop_all(
         try:
             fields, numbers = _fields(final.get(flower_id), gossip_id, OP_STOP)
         except GossipError as exc:  # keep stopping the others
-            _log.error("%s", exc)
+            log(ERROR, "%s", exc)
             continue
         fields["received-from"] = json.loads(str(fields.get("received-from", "{}")))
+        fields["rejections"] = json.loads(str(fields.get("rejections", "{}")))
         result.metrics[gossip_id] = {**fields, **numbers}
 
 
@@ -301,6 +327,7 @@ def _poll_until_done(
         live = {f: r for f, r in requests.items() if gossip_ids[f] not in result.lost}
         replies = channel.request(OP_STATUS, live, config.status_timeout_s)
         statuses: list[dict[str, Any]] = []
+        waiting = False  # a node missed this poll but is not lost yet
         for flower_id in live:
             gossip_id = gossip_ids[flower_id]
             reply = replies.get(flower_id)
@@ -311,15 +338,19 @@ def _poll_until_done(
                 missed[flower_id] = missed.get(flower_id, 0) + 1
                 if gone or missed[flower_id] >= config.lost_after_polls:
                     result.lost[gossip_id] = str(exc)
-                    _log.warning("gossip node %d lost: %s", gossip_id, exc)
+                    log(WARNING, "gossip node %d lost: %s", gossip_id, exc)
+                else:
+                    waiting = True
                 continue
             missed[flower_id] = 0
             statuses.append(numbers)
-        if all(n.get("finished") or n.get("exited") or not n.get("alive") for n in statuses):
+        done = all(n.get("finished") or n.get("exited") or not n.get("alive") for n in statuses)
+        if done and not waiting:
             if len(result.lost) < len(requests):
                 return
             raise GossipError("every gossip node was lost")
         if time.monotonic() > deadline:
-            _log.warning("gossip run timed out after %.0f s; stopping peers", config.run_timeout_s)
+            log(WARNING, "gossip run timed out after %.0f s; stopping peers",
+                config.run_timeout_s)
             return
         time.sleep(config.poll_interval_s)

@@ -95,8 +95,8 @@ def _run_quick_suite(out: Path, *, full: bool) -> Path:
         assert driver.main(["--experiment", "all", "--quick", "--seeds", *seeds,
                             "--out", str(out)]) == 0
         return out
-    assert driver.main(["--experiment", "gossip", "--quick", "--seeds", *seeds,
-                        "--out", str(out), "--no-report"]) == 0
+    assert driver.main(["--experiment", "gossip", "compressed_gossip", "--quick", "--seeds",
+                        *seeds, "--out", str(out), "--no-report"]) == 0
     assert driver.main(["--experiment", "sharding", "ternary", "--quick", "--seeds", "0",
                         "--variants", "sharding:stratified", "ternary:terngrad",
                         "--out", str(out)]) == 0
@@ -114,12 +114,12 @@ def check_result_files(out: Path) -> None:
     spec_mod = load_script("experiment_spec")
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["quick"] is True
-    assert set(manifest["experiments"]) == {"sharding", "ternary", "gossip"}
+    assert set(manifest["experiments"]) == {"sharding", "ternary", "gossip", "compressed_gossip"}
     for name, exp in manifest["experiments"].items():
         spec = spec_mod.load_experiment(name, quick=True)
         labels = [v.label for v in spec.variants]
         assert exp["variants"] and all(v["label"] in labels for v in exp["variants"])
-        if name == "gossip":
+        if name in ("gossip", "compressed_gossip"):
             assert len(exp["variants"]) == len(labels) and exp["seeds"] == list(SEEDS)
         for variant in exp["variants"]:
             assert [r["seed"] for r in variant["runs"]] == exp["seeds"]
@@ -133,6 +133,8 @@ def check_result_files(out: Path) -> None:
                     assert result["curve"], "gossip curve is empty"
                     assert all(0.0 <= acc <= 1.0 for _, acc in result["curve"])
                     assert result["bytes_total"] > 0 and result["messages"] > 0
+                    compressor = variant["config"].get("compressor", "")
+                    assert result["compressor"] == (compressor or None)
                 if name == "sharding":
                     shards = json.loads((out / run["shards"]).read_text())
                     assert len(shards["shards"]) == variant["config"]["num-clients"]
@@ -142,7 +144,8 @@ def check_result_files(out: Path) -> None:
 def check_report(out: Path) -> None:
     """PNGs are valid and small, and report.md has one table row per configuration."""
     report = (out / "report.md").read_text()
-    for png in ("sharding_accuracy", "sharding_shards", "ternary_accuracy", "gossip_accuracy"):
+    for png in ("sharding_accuracy", "sharding_shards", "ternary_accuracy", "gossip_accuracy",
+                "compressed_gossip_accuracy"):
         _png_ok(out / f"{png}.png")
         assert f"]({png}.png)" in report
     manifest = json.loads((out / "manifest.json").read_text())

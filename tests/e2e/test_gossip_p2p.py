@@ -46,7 +46,7 @@ class PeerProcesses:
         self.procs[node] = subprocess.Popen(
             [sys.executable, "-m", "fedddl.gossip.peer", "--node-id", str(node),
              "--num-nodes", str(num_nodes), "--bind", "127.0.0.1:0", "--state-dir", str(state),
-             "--max-lifetime-s", "170", "--log-level", "INFO", *extra],
+             "--max-lifetime-s", "170", "--log-level", "INFO", "--insecure", *extra],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         log.close()
