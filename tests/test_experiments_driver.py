@@ -184,3 +184,15 @@ def test_full_quick_suite_every_variant(tmp_path: Path) -> None:
     out = _run_quick_suite(tmp_path, full=True)
     check_result_files(out)
     check_report(out)
+
+
+def test_compressed_gossip_summary_reads_the_runs(quick_suite: Path) -> None:
+    lines = load_script("compressed_gossip_summary").summarize(quick_suite)
+    manifest = json.loads((quick_suite / "manifest.json").read_text())
+    variants = manifest["experiments"]["compressed_gossip"]["variants"]
+    assert sum(line.startswith(("homogeneous ", "heterogeneous ")) for line in lines) == len(
+        variants)
+    ratios = [line for line in lines if "fp32/compressed bytes total" in line]
+    assert len(ratios) == 2  # one per network
+    # Quick runs are tiny, but every compressed message is still far below fp32.
+    assert all(float(line.split("model bytes ")[1].split("x")[0]) > 5 for line in ratios), ratios
