@@ -17,8 +17,15 @@ from flwr.clientapp import ClientApp
 
 from clients.fedavg_client import handle_fedavg_evaluate, handle_fedavg_train
 from clients.localized import handle_localized_train
+from clients.state import cached_clients
 from fedddl.app_config import AppConfig
-from fedddl.flower.protocol import CLIENT_SECONDS, FEDAVG_ARRAYS, METRICS, is_localized_train
+from fedddl.flower.protocol import (
+    CLIENT_CACHED,
+    CLIENT_SECONDS,
+    FEDAVG_ARRAYS,
+    METRICS,
+    is_localized_train,
+)
 
 __all__ = ["app", "handle_train", "make_client_app"]
 
@@ -27,8 +34,9 @@ def handle_train(message: Message, context: Context, cfg: AppConfig) -> Message:
     """Dispatch a TRAIN message to the protocol it belongs to.
 
     With ``FEDDDL_CLIENT_TIMING=1`` in the environment, the reply's ``metrics`` record
-    also carries ``client-s``: seconds spent in this handler (a diagnostic; it adds a
-    few bytes to every reply).
+    also carries ``client-s`` (seconds spent in this handler) and ``client-cached`` (how
+    many clients' live state this process holds): diagnostics that add a few bytes to
+    every reply.
     """
     _single_thread()
     start = time.perf_counter()
@@ -37,6 +45,7 @@ def handle_train(message: Message, context: Context, cfg: AppConfig) -> Message:
         metrics = reply.content.metric_records.get(METRICS)
         if metrics is not None:
             metrics[CLIENT_SECONDS] = time.perf_counter() - start
+            metrics[CLIENT_CACHED] = cached_clients()
     return reply
 
 

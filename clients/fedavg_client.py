@@ -7,6 +7,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 
 from clients.shard import load_shard, partition_of
 from fedddl.app_config import AppConfig
+from fedddl.devices import resolve_device
 from fedddl.flower.protocol import FEDAVG_ARRAYS
 from fedddl.seeding import derive_seed
 
@@ -17,7 +18,7 @@ def _model_from(message: Message, cfg: AppConfig) -> torch.nn.Module:
     arrays = message.content.array_records.get(FEDAVG_ARRAYS)
     if arrays is None:
         raise ValueError(f"FedAvg message has no {FEDAVG_ARRAYS!r} ArrayRecord")
-    model = cfg.model_factory()()
+    model = cfg.model_factory(device=resolve_device(cfg.device))()
     model.load_state_dict(arrays.to_torch_state_dict(), strict=True)
     return model
 

@@ -13,6 +13,7 @@ from flwr.app import Context, Message
 from clients.shard import load_shard, partition_of
 from clients.state import load_state, save_state
 from fedddl.app_config import AppConfig
+from fedddl.devices import resolve_device
 from fedddl.flower.protocol import build_reply_content, parse_train_content
 from fedddl.sync.worker import run_instruction
 
@@ -23,8 +24,9 @@ def handle_localized_train(message: Message, context: Context, cfg: AppConfig) -
     """Handle one TernGrad/GradientAverage training message (see the module docstring)."""
     instruction = parse_train_content(message.content)
     pid, num = partition_of(context.node_config)
-    model_fn = cfg.model_factory()
-    state = load_state(context.state, model_fn, cfg.learning_rate, cfg.momentum)
+    model_fn = cfg.model_factory(device=resolve_device(cfg.device))
+    key = (context.run_id, context.node_id)
+    state = load_state(context.state, model_fn, cfg.learning_rate, cfg.momentum, key=key)
     reply = run_instruction(
         state,
         instruction,
@@ -34,5 +36,5 @@ def handle_localized_train(message: Message, context: Context, cfg: AppConfig) -
         model_fn=model_fn,
         cfg=cfg,
     )
-    save_state(context.state, state)
+    save_state(context.state, state, key=key)
     return Message(content=build_reply_content(reply), reply_to=message)

@@ -47,7 +47,10 @@ def _shards(
 def load_shard(
     cfg: AppConfig, partition_id: int, num_partitions: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(x, y)`` of shard ``partition_id`` of the training split (cached per process)."""
+    """Return ``(x, y)`` of shard ``partition_id`` of the training split, on the run's device.
+
+    Cached per process (one copy per device), so a round copies no data.
+    """
     return _shard(
         cfg.dataset,
         cfg.data_root,
@@ -56,15 +59,26 @@ def load_shard(
         cfg.seed,
         cfg.dirichlet_alpha,
         partition_id,
+        cfg.device,
     )
 
 
 @lru_cache(maxsize=256)
 def _shard(
-    dataset: str, root: str, method: str, num: int, seed: int, alpha: float, partition_id: int
+    dataset: str,
+    root: str,
+    method: str,
+    num: int,
+    seed: int,
+    alpha: float,
+    partition_id: int,
+    device: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    from fedddl.devices import resolve_device
+
     x, y, shards = _shards(dataset, root, method, num, seed, alpha)
     idx = shards[partition_id]
     if idx.numel() == 0:
         raise ValueError(f"shard {partition_id} of {num} is empty")
-    return x[idx], y[idx]
+    target = resolve_device(device)
+    return x[idx].to(target), y[idx].to(target)

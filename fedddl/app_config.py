@@ -12,11 +12,15 @@ the key.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from fedddl.devices import check_device_name
+
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 __all__ = ["DOWNLINKS", "PARTITIONS", "AppConfig"]
@@ -48,7 +52,16 @@ class AppConfig:
     data_root : str
         Data directory; empty means the default.
     arch : str
-        Model architecture; empty means the dataset's default.
+        Model architecture (``mlp``, ``cnn``, ``resnet8``, ``resnet20``, ``resnet18``); empty
+        means the dataset's default.
+    model : str
+        Your own model, ``"package.module:factory"`` with ``factory(input_shape,
+        num_classes) -> nn.Module`` (see :func:`fedddl.models.load_model_factory`); replaces
+        ``arch``. ``dataset`` takes your own data the same way
+        (:func:`fedddl.data.load_dataset`).
+    device : str
+        Where models, replicas, shards and compression live: ``cpu``, ``cuda``, ``cuda:N``
+        or ``auto`` (CUDA when present).
     partition : str
         Shard method: ``"stratified"``, ``"random"`` or ``"dirichlet"``.
     dirichlet_alpha : float
@@ -60,7 +73,10 @@ class AppConfig:
     batch_size : int
         Minibatch size of each client per local step.
     local_steps : int
-        Local steps per round; their accumulated pseudo-gradient is what is sent.
+        Local steps per round. With K > 1 a client runs K plain-SGD steps from its replica
+        and sends the mean of the K gradients along that path, ``(w_0 - w_K) / (K·lr)``
+        ("local gradient averaging"); the server applies momentum SGD to the average of
+        those, as to a single gradient (:mod:`fedddl.sync.worker`).
     fraction_train : float
         Fraction of clients sampled per round, in (0, 1].
     compressor : str
@@ -71,6 +87,12 @@ class AppConfig:
         Ternary gradient clipping, in standard deviations.
     error_feedback : bool
         Keep a residual memory on each client for the uplink.
+    fp32_min_numel : int
+        Parameters with fewer elements travel in fp32 both ways (:mod:`fedddl.sync.exemptions`).
+    fp32_logits : bool
+        The last ``nn.Linear``'s parameters travel in fp32 both ways.
+    fp32_warmup_rounds : int
+        The first rounds send everything in fp32 (the ``identity`` compressor).
     update_log_size : int
         Encoded broadcast updates the server keeps for catch-up; further behind gets a snapshot.
     min_available_nodes : int
@@ -78,6 +100,11 @@ class AppConfig:
     min_replies : int
         Valid replies a TernGrad-family round needs to apply an update; with fewer the
         round is logged and skipped (no update, every replica keeps its version).
+    eval_every : int
+        The ServerApp evaluates the shared model every ``eval_every`` rounds (and after the
+        last); rounds in between record no accuracy.
+    eval_samples : int
+        Evaluate on the first ``eval_samples`` test examples (0: the whole test split).
     results_path : str
         When not empty, the ServerApp writes the run's JSON there.
     plugins : str
@@ -97,6 +124,8 @@ class AppConfig:
     dataset: str = "digits"
     data_root: str = ""
     arch: str = ""
+    model: str = ""
+    device: str = "cpu"
     partition: str = "stratified"
     dirichlet_alpha: float = 0.5
     seed: int = 0
@@ -109,9 +138,14 @@ class AppConfig:
     downlink: str = "reternarize"
     clip_sigma: float = 2.5
     error_feedback: bool = False
+    fp32_min_numel: int = 0
+    fp32_logits: bool = True
+    fp32_warmup_rounds: int = 0
     update_log_size: int = 8
     min_available_nodes: int = 2
     min_replies: int = 1
+    eval_every: int = 1
+    eval_samples: int = 0
     results_path: str = ""
     plugins: str = ""
     checkpoint_dir: str = ""
@@ -161,6 +195,19 @@ class AppConfig:
             raise ValueError(f"checkpoint-keep must be >= 1, got {self.checkpoint_keep}")
         if self.checkpoint_every > 0 and not self.checkpoint_dir:
             raise ValueError("checkpoint-every > 0 needs a checkpoint-dir")
+        if self.fp32_min_numel < 0:
+            raise ValueError(f"fp32-min-numel must be >= 0, got {self.fp32_min_numel}")
+        if self.fp32_warmup_rounds < 0:
+            raise ValueError(f"fp32-warmup-rounds must be >= 0, got {self.fp32_warmup_rounds}")
+        if self.eval_every < 1:
+            raise ValueError(f"eval-every must be >= 1, got {self.eval_every}")
+        if self.eval_samples < 0:
+            raise ValueError(f"eval-samples must be >= 0 (0: all), got {self.eval_samples}")
+        if self.model and self.arch:
+            raise ValueError(f"give model ({self.model!r}) or arch ({self.arch!r}), not both")
+        if self.model and ":" not in self.model:
+            raise ValueError(f"model must look like 'package.module:factory', got {self.model!r}")
+        check_device_name(self.device)
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> AppConfig:
@@ -178,11 +225,22 @@ class AppConfig:
                 continue  # gossip mode's keys, read by strategies.gossip_coordinator
             f = by_key.get(key)
             if f is None:
-                raise ValueError(
-                    f"unknown config key {key!r}; expected one of {', '.join(sorted(by_key))}"
-                )
+                raise ValueError(_unknown_key_message(key, by_key))
             kwargs[f.name] = _coerce(key, value, f.default)
         return cls(**kwargs)
+
+    def updated(self, run_config: Mapping[str, Any]) -> AppConfig:
+        """Return a copy with the kebab-case keys of ``run_config`` applied.
+
+        Any field is reachable (no per-key code); keys and values are checked as in
+        :meth:`from_run_config`.
+
+        Raises
+        ------
+        ValueError
+            On an unknown key (naming the closest known one) or a bad value.
+        """
+        return AppConfig.from_run_config({**self.to_run_config(), **run_config})
 
     def to_run_config(self) -> dict[str, Any]:
         """Return the kebab-case mapping (JSON-friendly) of every field."""
@@ -206,18 +264,29 @@ class AppConfig:
             except ImportError as err:
                 raise ValueError(f"plugins: cannot import {name!r}: {err}") from err
 
-    def model_factory(self) -> Callable[[], nn.Module]:
+    def model_factory(self, device: torch.device | str | None = None) -> Callable[[], nn.Module]:
         """The seeded model constructor of this run, the same in the server and every client.
 
-        See :func:`fedddl.models.seeded_model_factory`.
+        See :func:`fedddl.models.seeded_model_factory`; with ``device`` the models are
+        placed there.
         """
         from fedddl.models import seeded_model_factory
 
-        return seeded_model_factory(self.dataset, seed=self.seed, arch=self.arch)
+        build = seeded_model_factory(self.dataset, seed=self.seed, arch=self.model or self.arch)
+        if device is None:
+            return build
+        return lambda: build().to(device)
 
     def replace(self, **changes: Any) -> AppConfig:
         """Return a copy with ``changes`` (snake_case field names) applied."""
         return dataclasses.replace(self, **changes)
+
+
+def _unknown_key_message(key: str, known: Mapping[str, Any]) -> str:
+    """``unknown config key 'x'; did you mean 'y'?`` plus the known keys."""
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.4)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"unknown config key {key!r}{hint} (known keys: {', '.join(sorted(known))})"
 
 
 def _coerce(key: str, value: Any, default: Any) -> Any:

@@ -19,6 +19,26 @@ from types import ModuleType
 from fedddl import __version__, commands
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to the help of every option that takes a value.
+
+    Switches (``store_true``/``store_false``) are off unless given, and options whose
+    default is ``None``, empty or a list say in their own help what happens without them.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            "default" in text.lower()
+            or not action.option_strings
+            or action.nargs == 0
+            or action.default in (None, "", argparse.SUPPRESS)
+            or action.default == []
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def _command_modules() -> list[ModuleType]:
     modules = []
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda i: i.name):
@@ -37,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fedddl {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in _command_modules():
-        cmd = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        cmd = sub.add_parser(
+            module.NAME, help=module.HELP, description=module.HELP, formatter_class=HelpFormatter
+        )
         module.add_arguments(cmd)
         cmd.set_defaults(_run=module.run)
     return parser

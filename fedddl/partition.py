@@ -2,16 +2,24 @@
 
 Every function returns a list of sorted int64 index arrays that are disjoint and
 together cover ``range(len(labels))`` exactly once; the same seed gives the same shards.
+
+``StratifiedPartitioner`` (the same stratified split as a Flower Datasets
+``Partitioner``, for ``FederatedDataset(..., partitioners={"train": ...})``) is named here
+but lives in :mod:`fedddl.stratified_partitioner`, imported on first use: it needs the
+optional ``flwr-datasets`` package, this module does not.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import ArrayLike
+
+if TYPE_CHECKING:  # at run time: module __getattr__ below (flwr-datasets is optional)
+    from fedddl.stratified_partitioner import StratifiedPartitioner as StratifiedPartitioner
 
 __all__ = [
     "PARTITION_METHODS",
@@ -25,6 +33,20 @@ __all__ = [
 PARTITION_METHODS: tuple[str, ...] = ("stratified", "random", "dirichlet")
 _KL_EPSILON = 1e-10
 _FEATURE_CHUNK_ROWS = 8192
+
+
+def __getattr__(name: str) -> Any:
+    """Import ``StratifiedPartitioner`` on first use (it needs ``flwr-datasets``)."""
+    if name != "StratifiedPartitioner":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        from fedddl.stratified_partitioner import StratifiedPartitioner
+    except ImportError as err:
+        raise ImportError(
+            f"StratifiedPartitioner needs flwr-datasets ({err}); install it with "
+            "pip install 'fedddl[datasets]'"
+        ) from err
+    return StratifiedPartitioner
 
 
 def _check_labels(labels: ArrayLike) -> np.ndarray:

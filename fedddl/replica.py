@@ -38,6 +38,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fedddl.running_stats import (
+    StatisticsError,
+    apply_statistics,
+    batchnorm_layers,
+    check_statistics,
+)
 from fedddl.training import check_parameter_tensors
 
 __all__ = [
@@ -100,7 +106,12 @@ class Replica:
         )
 
     # ------------------------------------------------------------------ updates
-    def apply_update(self, update: Mapping[str, torch.Tensor], version: int) -> None:
+    def apply_update(
+        self,
+        update: Mapping[str, torch.Tensor],
+        version: int,
+        statistics: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
         """Apply one decoded broadcast update with the shared optimiser.
 
         Parameters
@@ -109,21 +120,32 @@ class Replica:
             Parameter name to aggregated (pseudo-)gradient.
         version : int
             The version this update produces; must be ``self.version + 1``.
+        statistics : Mapping[str, torch.Tensor] | None
+            The round's pooled BatchNorm statistics (:mod:`fedddl.running_stats`); required
+            exactly when the model has BatchNorm layers.
 
         Raises
         ------
         ReplicaError
-            On a version gap or an update that does not fit the model (state unchanged).
+            On a version gap, or an update or statistics that do not fit the model (the
+            replica is unchanged then).
         """
         if version != self.version + 1:
             raise ReplicaError(
                 f"update produces version {version} but the replica is at {self.version}"
             )
         check_update(self.model, update)
+        if statistics or batchnorm_layers(self.model):
+            try:
+                check_statistics(self.model, statistics or {})
+            except StatisticsError as err:
+                raise ReplicaError(f"update statistics: {err}") from err
         for name, param in self._params.items():
-            param.grad = update[name].detach().to(param.dtype).clone()
+            param.grad = update[name].detach().to(device=param.device, dtype=param.dtype).clone()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if statistics:
+            apply_statistics(self.model, statistics)
         self.version = version
 
     def fingerprint(self) -> str:
@@ -195,7 +217,8 @@ class Replica:
         self.optimizer.state.clear()
         for k, v in mom_part.items():
             param = self._params[k]
-            self.optimizer.state[param] = {"momentum_buffer": v.detach().to(param.dtype).clone()}
+            buffer = v.detach().to(device=param.device, dtype=param.dtype).clone()
+            self.optimizer.state[param] = {"momentum_buffer": buffer}
         self.version = version
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "evaluate",
     "iterate_minibatches",
     "local_sgd",
+    "model_device",
     "named_gradients",
     "parameters_fingerprint",
     "set_gradients",
@@ -38,6 +39,7 @@ def compute_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> flo
     """Zero the gradients, run forward and backward of the mean cross-entropy loss.
 
     The model's current mode (train/eval) is used as is. Gradients are left in ``.grad``.
+    The batch is moved to the model's device (a no-op when it is there already).
 
     Parameters
     ----------
@@ -54,10 +56,20 @@ def compute_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> flo
         The loss value.
     """
     _check_batch(x, y)
+    device = model_device(model)
     model.zero_grad(set_to_none=False)
-    loss = functional.cross_entropy(model(x), y)
+    loss = functional.cross_entropy(model(x.to(device)), y.to(device))
     loss.backward()  # type: ignore[no-untyped-call]
     return float(loss.detach())
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (or buffer); the CPU for an empty model."""
+    for param in model.parameters():
+        return param.device
+    for buffer in model.buffers():
+        return buffer.device
+    return torch.device("cpu")
 
 
 def _trainable(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -179,6 +191,8 @@ def evaluate(
 ) -> tuple[float, float]:
     """Return ``(mean cross-entropy loss, accuracy)`` over ``x, y``, in eval mode, no grad.
 
+    Batches are moved to the model's device.
+
     The model's previous train/eval mode is restored afterwards.
 
     Raises
@@ -190,14 +204,15 @@ def evaluate(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     was_training = model.training
+    device = model_device(model)
     model.eval()
     total_loss = 0.0
     correct = 0
     try:
         with torch.no_grad():
             for start in range(0, x.shape[0], batch_size):
-                logits = model(x[start : start + batch_size])
-                labels = y[start : start + batch_size]
+                logits = model(x[start : start + batch_size].to(device))
+                labels = y[start : start + batch_size].to(device)
                 total_loss += float(functional.cross_entropy(logits, labels, reduction="sum"))
                 correct += int((logits.argmax(dim=1) == labels).sum())
     finally:

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: fin
 from experiment_spec import ExperimentSpec, VariantSpec, load_experiment
 from tool_runners import RUNNERS, command_line, shard_statistics
 
+from fedddl.progress import Progress
 from fedddl.report.manifest import MANIFEST_NAME, write_manifest
 
 __all__ = [
@@ -71,6 +72,14 @@ def _variant_dir(spec: ExperimentSpec, variant: VariantSpec) -> str:
     return f"{spec.name}/{_safe(name)}"
 
 
+def _say(progress: Progress | None, line: str) -> None:
+    """One finished (or kept) run: a line, and one step of the bar."""
+    if progress is None:
+        print(line, flush=True)
+    else:
+        progress.advance(1, line)
+
+
 def _run_variant(
     spec: ExperimentSpec,
     variant: VariantSpec,
@@ -80,6 +89,7 @@ def _run_variant(
     resume: bool,
     runner: Runner,
     on_run: Callable[[dict[str, Any]], None],
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     entry: dict[str, Any] = {"label": variant.label, "group": variant.group,
                              "config": variant.config, "runs": []}
@@ -90,15 +100,15 @@ def _run_variant(
         run: dict[str, Any] = {"seed": seed, "result": rel}
         if resume and path.is_file():
             run["runtime_s"] = float(json.loads(path.read_text()).get("_runtime_s", 0.0))
-            print(f"[{spec.name}] {variant.group} {variant.label} seed {seed}: kept {rel}")
+            _say(progress, f"[{spec.name}] {variant.group} {variant.label} seed {seed}: kept {rel}")
         else:
             start = time.perf_counter()
             result = runner(config)
             run["runtime_s"] = time.perf_counter() - start
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({**result, "_runtime_s": run["runtime_s"]}, indent=1))
-            print(f"[{spec.name}] {variant.group} {variant.label} seed {seed}: "
-                  f"{run['runtime_s']:.1f} s -> {rel}", flush=True)
+            _say(progress, f"[{spec.name}] {variant.group} {variant.label} seed {seed}: "
+                           f"{run['runtime_s']:.1f} s -> {rel}")
         if spec.name == "sharding":
             shards_rel = rel.replace(".json", ".shards.json")
             if not (resume and (out / shards_rel).is_file()):
@@ -159,6 +169,7 @@ def run_suite(
     report: bool = True,
     command: str = "",
     only: dict[str, list[str]] | None = None,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Run ``experiments`` for every seed, write the manifest, and (optionally) the report.
 
@@ -183,6 +194,9 @@ def run_suite(
     only : dict, optional
         Experiment name -> variant labels to run (others of that experiment are
         skipped); experiments not named run every variant.
+    progress : Progress, optional
+        Advanced by one per run (a bar with time left on a terminal); without it each
+        run prints one line to stdout.
 
     Returns
     -------
@@ -224,7 +238,7 @@ def run_suite(
                 write_manifest(out, manifest)
 
             _run_variant(spec, variant, seeds, out, resume=resume,
-                         runner=RUNNERS[spec.tool], on_run=save)
+                         runner=RUNNERS[spec.tool], on_run=save, progress=progress)
         order = [(v.group, v.label) for v in load_experiment(
             spec.name, dataset=dataset, quick=quick, data_root=data_root).variants]
         exp["variants"].sort(key=lambda v: order.index((v.get("group", ""), v["label"]))
@@ -245,12 +259,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--experiment", nargs="+", default=["all"],
                         choices=[*EXPERIMENTS, "all"], help="which claim(s) to run")
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2],
+                        help="seeds; every configuration runs once per seed (default: 0 1 2)")
     parser.add_argument("--dataset", default="digits",
                         choices=("digits", "mnist", "fashion-mnist", "cifar10", "cifar100",
-                                 "tiny-imagenet"))
-    parser.add_argument("--data-root", default=None, help="dataset directory")
-    parser.add_argument("--out", type=Path, default=Path("results"), help="results folder")
+                                 "tiny-imagenet"), help="dataset of every run (default: digits)")
+    parser.add_argument("--data-root", default=None,
+                        help="dataset directory (default: $FEDDDL_DATA or the standard place)")
+    parser.add_argument("--out", type=Path, default=Path("results"),
+                        help="results folder (default: results)")
     parser.add_argument("--quick", action="store_true", help="tiny configuration (tests)")
     parser.add_argument("--resume", action="store_true", help="keep finished run files")
     parser.add_argument("--no-report", action="store_true", help="skip report.md / PNGs")
@@ -287,9 +304,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # --resume only skips finished runs; the command without it reproduces the results.
     command = shlex.join(["python", "simulations/run_experiments.py",
                           *(a for a in given if a != "--resume")])
-    run_suite(names, args.seeds, args.out, dataset=args.dataset, data_root=args.data_root,
-              quick=args.quick, resume=args.resume, report=not args.no_report,
-              command=command, only=only)
+    runs = sum(len(spec.variants) for spec in specs) * len(args.seeds)
+    with Progress(runs, "experiments", unit="runs", stream=sys.stdout) as progress:
+        run_suite(names, args.seeds, args.out, dataset=args.dataset, data_root=args.data_root,
+                  quick=args.quick, resume=args.resume, report=not args.no_report,
+                  command=command, only=only, progress=progress)
     return 0
 
 

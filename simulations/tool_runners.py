@@ -59,17 +59,52 @@ RUNNERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 }
 
 
+def _simulate_options() -> set[str]:
+    """Option strings of ``fedddl simulate`` (its shortcut flags)."""
+    import argparse
+
+    from fedddl.commands import simulate
+
+    parser = argparse.ArgumentParser()
+    simulate.add_arguments(parser)
+    return {flag for action in parser._actions for flag in action.option_strings}
+
+
+def _toml(value: Any) -> str:
+    """A run-config value in Flower's ``--run-config`` syntax (TOML)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return "'" + value + "'" if "'" not in value else '"' + value + '"'
+    return repr(value)
+
+
 def command_line(tool: str, config: dict[str, Any], out: Path) -> str:
-    """The ``fedddl`` command line equivalent to running ``config`` with ``tool``."""
+    """The ``fedddl`` command line equivalent to running ``config`` with ``tool``.
+
+    ``simulate`` keys without a shortcut flag go into one ``--run-config``; a gossip
+    run without ``stop-at-target`` gets ``--continue-after-target`` (the driver records
+    whole curves, the command stops at the target by default).
+    """
     args = ["fedddl", tool]
+    run_config: list[str] = []
+    options = _simulate_options() if tool == "simulate" else set()
     for key, value in config.items():
         if key == "data-root" and not value:
             continue
+        if tool == "gossip" and key == "stop-at-target":
+            continue
         flag = _SIMULATE_FLAGS.get(key, f"--{key}") if tool == "simulate" else f"--{key}"
-        if isinstance(value, bool):  # switches: --overlap / --no-overlap
+        if tool == "simulate" and (flag not in options or value is False):
+            run_config.append(f"{key}={_toml(value)}")  # no flag (or no --no- switch)
+        elif isinstance(value, bool):  # switches: --overlap / --no-overlap
             args.append(flag if value else f"--no-{flag[2:]}")
         else:
             args += [flag, str(value)]
+    if run_config:
+        args += ["--run-config", " ".join(run_config)]
+    if tool == "gossip" and not config.get("stop-at-target", False):
+        args.append("--continue-after-target")
     return shlex.join([*args, "--out", str(out)])
 
 

@@ -77,18 +77,21 @@ def run_server(
         If the checkpoint to resume from does not fit this run.
     """
     from fedddl.data import as_tensors, load_dataset
+    from fedddl.devices import resolve_device
     from fedddl.flower.grid import CountingGrid, fast_poll
-    from strategies.recorder import RoundRecorder
+    from strategies.recorder import RoundRecorder, evaluation_subset
     from strategies.registry import build_strategy
     from strategies.replica_strategy import replica_strategy
 
     cfg.import_plugins()
-    model_fn = cfg.model_factory()
+    device = resolve_device(cfg.device)
+    model_fn = cfg.model_factory(device=device)
     strategy = build_strategy(cfg, model_fn)
     replica = replica_strategy(strategy)
     resumed = _resume(replica, strategy, cfg)
     offset = 0 if resumed is None else int(resumed["round"])
     x_test, y_test = as_tensors(load_dataset(cfg.dataset, cfg.data_root or None, split="test"))
+    x_test, y_test = evaluation_subset(x_test, y_test, cfg.eval_samples, cfg.seed)
     counting = CountingGrid(fast_poll(grid))
     saver = None
     if replica is not None and cfg.checkpoint_every > 0:
@@ -103,6 +106,8 @@ def run_server(
         progress,
         round_offset=offset,
         on_round=saver,
+        global_model=None if replica is None else replica.global_model,
+        eval_every=cfg.eval_every,
     )
     initial = replica.global_model() if replica is not None else model_fn()
     remaining = cfg.num_server_rounds - offset
@@ -202,10 +207,11 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         return {}
     n = len(rounds)
     checked = [r["replicas_equal"] for r in rounds if r["replicas_equal"] is not None]
+    scored = [r["accuracy"] for r in rounds if r["accuracy"] is not None]
     return {
         "rounds": n,
         "final_accuracy": rounds[-1]["accuracy"],
-        "best_accuracy": max(r["accuracy"] for r in rounds),
+        "best_accuracy": max(scored) if scored else None,
         "mean_bytes_up": sum(r["bytes_up"] for r in rounds) / n,
         "mean_bytes_down": sum(r["bytes_down"] for r in rounds) / n,
         "mean_wall_s": sum(r["wall_s"] for r in rounds) / n,

@@ -13,8 +13,8 @@ sampled client):
    its shard, encodes it and replies with payload, fingerprint and version.
 3. ``aggregate_train``: parse each reply and hand it to
    :meth:`~fedddl.sync.server.ReplicaServer.aggregate` (checks, aggregation, downlink,
-   shadow update). The returned ArrayRecord is the shadow replica (server-local, never
-   sent), which the ServerApp evaluates on the held-out split.
+   shadow update). The shadow replica (server-local, never sent) is what the ServerApp
+   evaluates on the held-out split (:meth:`TernGrad.global_model`).
 
 Model weights never travel, except as a catch-up snapshot.
 
@@ -68,7 +68,7 @@ class TernGrad(ReplicaServer, Strategy):
     **server : Any
         The :class:`~fedddl.sync.server.ReplicaServer` settings: ``learning_rate``,
         ``momentum``, ``compressor``, ``clip_sigma``, ``downlink``, ``update_log_size``,
-        ``seed``, ``min_replies``.
+        ``seed``, ``min_replies``, ``fp32_min_numel``, ``fp32_logits``, ``fp32_warmup_rounds``.
     """
 
     def __init__(
@@ -103,6 +103,9 @@ class TernGrad(ReplicaServer, Strategy):
             min_replies=cfg.min_replies,
             update_log_size=cfg.update_log_size,
             seed=cfg.seed,
+            fp32_min_numel=cfg.fp32_min_numel,
+            fp32_logits=cfg.fp32_logits,
+            fp32_warmup_rounds=cfg.fp32_warmup_rounds,
         )
 
     # ------------------------------------------------- what the ServerApp asks
@@ -148,7 +151,11 @@ class TernGrad(ReplicaServer, Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Parse the replies, aggregate them into the shadow replica, report the round."""
+        """Parse the replies, aggregate them into the shadow replica, report the round.
+
+        Returns no arrays: the shadow replica stays where it lives (no per-round copy of the
+        model into a record); the ServerApp evaluates :meth:`global_model` directly.
+        """
         report = self.aggregate(server_round + self.round_offset, _parsed(replies))
         metrics = MetricRecord(
             {
@@ -162,7 +169,7 @@ class TernGrad(ReplicaServer, Strategy):
         )
         if not math.isnan(report.loss):
             metrics["train-loss"] = report.loss
-        return ArrayRecord(self.shadow.model.state_dict()), metrics
+        return None, metrics
 
     # ------------------------------------------------------------ evaluation
     def configure_evaluate(

@@ -41,7 +41,7 @@ def _client_versions(grid: InlineGrid, cfg: AppConfig) -> dict[int, int]:
     out = {}
     for node, ctx in grid.contexts.items():
         st = load_state(
-            ctx.state, cfg.model_factory(), cfg.learning_rate, cfg.momentum, use_cache=False
+            ctx.state, cfg.model_factory(), cfg.learning_rate, cfg.momentum
         )
         out[node] = -1 if st.replica is None else st.replica.version
     return out
@@ -154,5 +154,13 @@ def test_only_the_deployment_grid_gets_fast_polling() -> None:
     http = HttpGrid(token="not-connected")  # connects lazily: nothing is contacted here
     wrapped = _fast_poll(http)
     assert isinstance(wrapped, FastPollGrid) and wrapped.inner is http
+    from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+
+    from fedddl.flower.grid import SIMULATION_POLL_INTERVAL_S
+
+    memory = InMemoryGrid.__new__(InMemoryGrid)  # the simulation's grid (not connected)
+    polled = _fast_poll(memory)
+    assert isinstance(polled, FastPollGrid) and polled.inner is memory
+    assert polled.poll_interval_s == SIMULATION_POLL_INTERVAL_S
     inline = InlineGrid(make_client_app(_cfg()), 1)
     assert _fast_poll(inline) is inline

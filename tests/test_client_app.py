@@ -83,15 +83,16 @@ def test_state_round_trip_keeps_weights_momentum_and_residuals() -> None:
     replica.apply_update(grads, 1)
     state = RecordDict()
     residuals = {"1.weight": torch.randn(64, 64)}
-    save_state(state, WorkerState(replica, "ternary", ResidualMemory(residuals)))
-    back = load_state(state, CFG.model_factory(), 0.1, 0.9, use_cache=False)
+    key = ("run", 7)
+    save_state(state, WorkerState(replica, "ternary", ResidualMemory(residuals)), key=key)
+    back = load_state(state, CFG.model_factory(), 0.1, 0.9)
     assert back.replica is not None and back.replica.version == 1
     assert back.replica is not replica  # really deserialized
     assert back.replica.fingerprint() == replica.fingerprint()
     assert torch.equal(back.memory.residuals["1.weight"], residuals["1.weight"])
-    cached = load_state(state, CFG.model_factory(), 0.1, 0.9)
+    cached = load_state(state, CFG.model_factory(), 0.1, 0.9, key=key)
     assert cached.replica is replica  # the live object, taken out of the cache once
-    again = load_state(state, CFG.model_factory(), 0.1, 0.9)
+    again = load_state(state, CFG.model_factory(), 0.1, 0.9, key=key)
     assert again.replica is not replica and again.replica is not None
     assert again.replica.fingerprint() == replica.fingerprint()
     replica = again.replica

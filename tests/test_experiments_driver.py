@@ -63,6 +63,34 @@ def test_print_commands_lists_one_line_per_run(capsys: pytest.CaptureFixture[str
     assert "--fraction-train 1.0" in lines[-1] and "--seed 1" in lines[-1]
 
 
+def test_printed_commands_parse_and_mean_the_same_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every printed line is a valid ``fedddl`` command that runs the driver's config."""
+    import shlex
+
+    from fedddl.app_config import AppConfig
+    from fedddl.cli import build_parser
+
+    driver = load_script("run_experiments")
+    assert driver.main(["--experiment", "all", "--seeds", "0", "--print-commands"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    parser = build_parser()
+    for line in lines:
+        args = parser.parse_args(shlex.split(line)[1:])
+        if args.command == "gossip":  # the driver records whole curves
+            assert args.continue_after_target, line
+    runners = load_script("tool_runners")
+    line = runners.command_line(
+        "simulate", {"strategy": "terngrad", "min-replies": 2, "error-feedback": False,
+                     "compressor": "ternary"}, Path("o.json"))  # fmt: skip
+    args = parser.parse_args(shlex.split(line)[1:])
+    from fedddl.flower.run_config import parse_run_config
+
+    cfg = AppConfig(compressor=args.compressor).updated(parse_run_config(args.run_config))
+    assert (cfg.min_replies, cfg.error_feedback, cfg.compressor) == (2, False, "ternary")
+
+
 def _png_ok(path: Path) -> None:
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n", path

@@ -69,7 +69,6 @@ class FaultyClients:
             self.cfg.model_factory(),
             self.cfg.learning_rate,
             self.cfg.momentum,
-            use_cache=False,
         )
         return -1 if st.replica is None else st.replica.version
 
@@ -95,11 +94,11 @@ class FaultyClients:
                 self.cfg.model_factory(),
                 self.cfg.learning_rate,
                 self.cfg.momentum,
-                use_cache=False,
             )
             assert st.replica is not None
             with_grad = next(iter(st.replica.model.parameters()))
             with_grad.data[0].add_(1e-3)
+            st.saved_version = None  # changed outside the journal: store a new snapshot
             save_state(context.state, st)
         if kind in ("stale-lie", "stale-old"):
             return self._stale(message, context, lie=kind == "stale-lie")
@@ -201,7 +200,7 @@ def test_twenty_percent_faulty_clients_per_round_still_converge_and_agree() -> N
         assert parsed.fingerprint == target[:32]
     for node, ctx in grid.contexts.items():
         st = load_state(
-            ctx.state, cfg.model_factory(), cfg.learning_rate, cfg.momentum, use_cache=False
+            ctx.state, cfg.model_factory(), cfg.learning_rate, cfg.momentum
         )
         assert st.replica is not None, node
         assert st.replica.version == strategy.shadow.version
@@ -246,7 +245,7 @@ def test_round_with_fewer_valid_replies_than_min_replies_applies_nothing(
     assert r3.accepted == [1000, 1001, 1002, 1003] and r3.replicas_equal
     for ctx in grid.contexts.values():
         st = load_state(
-            ctx.state, cfg.model_factory(), cfg.learning_rate, cfg.momentum, use_cache=False
+            ctx.state, cfg.model_factory(), cfg.learning_rate, cfg.momentum
         )
         assert st.replica is not None and st.replica.version == 1
         assert st.replica.fingerprint() == strategy.fingerprints[1]

@@ -76,3 +76,22 @@ def test_compressor_option_sends_compressed_differences(tmp_path: Path) -> None:
 def test_unknown_compressor_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["gossip", "--nodes", "4", "--compressor", "zip"]) == 2
     assert "unknown compressor 'zip'" in capsys.readouterr().err
+
+
+def test_stops_at_target_unless_told_to_continue(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["gossip", "--nodes", "4", "--target-accuracy", "0.5", "--max-virtual-time", "3",
+            "--quiet"]  # fmt: skip
+    stopped, continued = tmp_path / "stop.json", tmp_path / "go-on.json"
+    assert main([*base, "--out", str(stopped)]) == 0
+    first = capsys.readouterr().err
+    assert main([*base, "--continue-after-target", "--out", str(continued)]) == 0
+    second = capsys.readouterr().err
+    stop, go_on = json.loads(stopped.read_text()), json.loads(continued.read_text())
+    reached = stop["time_to_target_s"]
+    assert reached is not None and reached == go_on["time_to_target_s"]
+    assert stop["curve"][-1][0] == reached < 3.0  # ended at the evaluation that reached it
+    assert go_on["curve"][-1][0] == 3.0
+    assert f"reached at virtual t = {reached:.2f} s (run stopped there)" in first
+    assert f"reached at virtual t = {reached:.2f} s, ran on to 3.00 s" in second

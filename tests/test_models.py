@@ -75,3 +75,17 @@ def test_bad_arguments_are_rejected() -> None:
         create_model("digits", seed=-1)
     with pytest.raises(TypeError, match="seed must be an int"):
         create_model("digits", seed=1.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("arch", "limit"), [("resnet8", 100_000), ("resnet20", 300_000)])
+def test_cifar_resnets_are_small_batchnorm_cnns_for_both_input_kinds(arch: str, limit: int) -> None:
+    from torch import nn
+
+    for dataset, shape in (("fashion-mnist", (1, 28, 28)), ("cifar10", (3, 32, 32))):
+        model = create_model(dataset, seed=0, arch=arch)
+        again = create_model(dataset, seed=0, arch=arch)
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                      again.state_dict().values(), strict=True))
+        assert sum(p.numel() for p in model.parameters()) < limit
+        assert any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+        assert model(torch.rand(2, *shape)).shape == (2, 10)

@@ -58,9 +58,8 @@ def _environment() -> dict[str, str]:
 def run_scenario(name: str) -> dict[str, Any]:
     """Run one scenario and return what is pinned."""
     torch.set_num_threads(1)
-    cfg = AppConfig.from_run_config(
-        {"num-server-rounds": 20, "seed": 0, "min-available-nodes": NODES, **SCENARIOS[name]}
-    )
+    base = {"num-server-rounds": 20, "seed": 0, "min-available-nodes": NODES}
+    cfg = AppConfig.from_run_config({**base, "fp32-logits": False, **SCENARIOS[name]})
     reported: dict[int, list[str]] = {}
     catch_up: dict[int, list[str]] = {}
 

@@ -26,6 +26,9 @@ ARGS = [
     "--lr",
     "0.2",
     "--quiet",
+    # any run-config key, in Flower's syntax, over the shortcut flags (--lr 0.2 above)
+    "--run-config",
+    "min-replies=2 learning-rate=0.25",
 ]
 
 
@@ -40,6 +43,8 @@ def simulated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_json_has_the_documented_fields(simulated: dict[str, Any]) -> None:
     assert simulated["config"]["strategy"] == "terngrad"
+    assert simulated["config"]["min-replies"] == 2  # set only through --run-config
+    assert simulated["config"]["learning-rate"] == 0.25  # --run-config wins over --lr
     assert simulated["config"]["num-clients"] == 3
     rounds = simulated["rounds"]
     assert [r["round"] for r in rounds] == [1, 2, 3]
@@ -65,7 +70,9 @@ def test_ray_run_matches_the_in_process_run_exactly(simulated: dict[str, Any]) -
     from strategies.server_app import run_server
     from tests.support.inline_grid import InlineGrid
 
-    cfg = AppConfig(num_server_rounds=3, seed=1, learning_rate=0.2, min_available_nodes=2)
+    cfg = AppConfig(
+        num_server_rounds=3, seed=1, learning_rate=0.25, min_replies=2, min_available_nodes=2
+    )
     local = run_server(InlineGrid(make_client_app(cfg), 3), cfg, progress=lambda _: None)
     for ray_round, inline_round in zip(simulated["rounds"], local["rounds"], strict=True):
         assert ray_round["accuracy"] == inline_round["accuracy"]
@@ -76,3 +83,20 @@ def test_ray_run_matches_the_in_process_run_exactly(simulated: dict[str, Any]) -
 
 def test_bad_arguments_exit_2_without_running() -> None:
     assert main(["simulate", "--downlink", "reternarize", "--fraction-train", "0"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("run_config", "message"),
+    [
+        ("min-reply=2", "unknown config key 'min-reply'; did you mean 'min-replies'?"),
+        ("rounds=5", "did you mean 'num-server-rounds'?"),
+        ("strategy=fedavg", "invalid format"),  # Flower's syntax: strings in quotes
+        ("seed", "'seed' is not a key=value pair"),
+        ("batch-size='big'", "config key 'batch-size' must be an integer"),
+    ],
+)
+def test_bad_run_config_names_the_problem_without_running(
+    run_config: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", "--run-config", run_config]) == 2
+    assert message in capsys.readouterr().err

@@ -73,6 +73,7 @@ def test_user_strategy_and_compressor_by_name_run_end_to_end() -> None:
         num_server_rounds=3,
         strategy="tests.test_strategy_plugins:SignGrad",
         plugins="tests.test_strategy_plugins",
+        fp32_logits=False,  # every tensor through the user's compressor
     )
     strategy = build_strategy(cfg, cfg.model_factory())
     assert type(strategy) is SignGrad

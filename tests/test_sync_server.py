@@ -50,6 +50,9 @@ class Cluster:
             downlink=self.cfg.downlink,
             update_log_size=self.cfg.update_log_size,
             min_replies=self.cfg.min_replies,
+            fp32_min_numel=self.cfg.fp32_min_numel,
+            fp32_logits=self.cfg.fp32_logits,
+            fp32_warmup_rounds=self.cfg.fp32_warmup_rounds,
         )
         self.states = {n: WorkerState() for n in NODES}
         self.round = 0
@@ -129,7 +132,8 @@ def test_each_reason_drops_the_reply_and_teaches_the_node_book() -> None:
     assert book.known_version(stale.node_id) == 0
     assert book.known_version(liar.node_id) == -1
     assert book.known_version(resync.node_id) == -1
-    assert book.needs_compressor(resync.node_id) and not book.needs_compressor(good.node_id)
+    assert book.needs_compressor(resync.node_id, "ternary-base3")
+    assert not book.needs_compressor(good.node_id, "ternary-base3")
     plan = cluster.server.plan_round(3, NODES)
     assert [v for v, _ in plan[stale.node_id].updates] == [1, 2]
     assert plan[liar.node_id].snapshot is not None and plan[resync.node_id].snapshot is not None
@@ -205,22 +209,23 @@ def test_running_mean_and_code_sums_match_a_reference() -> None:
 def test_node_book_learns_only_from_the_verdict() -> None:
     book = NodeBook()
     reply = ClientReply(7, 3, "ab" * 16, b"x", 1, 0.0)
-    assert book.known_version(7) == 0 and book.needs_compressor(7)
+    assert book.known_version(7) == 0 and book.needs_compressor(7, "ternary")
     book.learn(reply, UnexpectedReply("not asked"))
     assert book.known_version(7) == 0
-    book.sent(7, 3)
+    book.sent(7, 3, "ternary")
     book.learn(reply, None)
-    assert book.known_version(7) == 3 and not book.needs_compressor(7)
+    assert book.known_version(7) == 3 and not book.needs_compressor(7, "ternary")
+    assert book.needs_compressor(7, "identity")  # e.g. after the fp32 warm-up rounds
     assert book.expected_version(7) is None  # consumed
-    book.sent(7, 4)
+    book.sent(7, 4, "ternary")
     book.learn(reply, VersionMismatch("old"))
     assert book.known_version(7) == 3
-    book.sent(7, 4)
+    book.sent(7, 4, "ternary")
     book.learn(dataclasses.replace(reply, model_version=4), FingerprintMismatch("diverged"))
     assert book.known_version(7) == -1
-    book.sent(7, 4)
+    book.sent(7, 4, "ternary")
     book.learn(ClientReply.resync_request(7, -1), ResyncRequest("lost state"))
-    assert book.known_version(7) == -1 and book.needs_compressor(7)
+    assert book.known_version(7) == -1 and book.needs_compressor(7, "ternary")
     book.forget(unknown_version=-1)
     assert book.known_version(8) == -1
 
@@ -241,7 +246,8 @@ def test_error_feedback_goes_through_the_residual_memory() -> None:
     cluster.step()
     state = cluster.states[11]
     before = state.memory.residuals
-    assert before and all(bool(r.abs().sum() > 0) for r in before.values())
+    logits = {"3.weight", "3.bias"}  # fp32 by default: nothing left out, no residual
+    assert all(bool(r.abs().sum() > 0) == (k not in logits) for k, r in before.items())
     grads = {k: torch.randn_like(v) for k, v in before.items()}
     compensated = {k: g + before[k] for k, g in grads.items()}
     payload = encode_update(grads, get_compressor("ternary", seed=1), state.memory)

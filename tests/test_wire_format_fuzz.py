@@ -9,7 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedddl.compression import PayloadError, TernaryCompressor, decode_update, encode_update
+from fedddl.compression import (
+    PayloadError,
+    TernaryCompressor,
+    TernaryEntropyCompressor,
+    decode_update,
+    encode_update,
+)
 
 _MESSAGE = encode_update(
     {
@@ -71,6 +77,15 @@ def test_random_bytes(data: bytes) -> None:
     assert _decode_or_payload_error(data) is None
 
 
+def test_an_empty_shape_whose_strides_overflow_is_a_payload_error() -> None:
+    # found by the fuzzer below: 0 values, but the other dimensions' product overflows int64
+    dims = [0, 233, 109206, 362_482_718_091]
+    entry = struct.pack("<H", 1) + b"x" + bytes([1, 1, len(dims)])
+    entry += struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<f", 1.0)
+    body = b"FDTQ" + bytes([1, 0]) + struct.pack("<IQ", 1, 0) + entry
+    assert _decode_or_payload_error(_reseal(body)) is None
+
+
 @_SETTINGS
 @given(
     st.lists(st.integers(0, 2**64 - 1), min_size=0, max_size=4),
@@ -92,3 +107,57 @@ def test_random_shapes_raise_only_payload_error(
 def test_random_bodies_behind_a_valid_prefix(tail: bytes) -> None:
     body = b"FDTQ" + bytes([1, 0]) + struct.pack("<IQ", tail[0] if tail else 0, 0) + tail
     _decode_or_payload_error(_reseal(body))
+
+
+# ---------------------------------------------------------------- entropy-coded (FDTE)
+_CODED = encode_update(
+    {
+        "w": torch.randn(40, 30, generator=torch.Generator().manual_seed(1)) ** 3,
+        "b": torch.randn(3),
+        "s": torch.tensor(1.5).double(),
+    },
+    TernaryEntropyCompressor(seed=0, min_numel=4),
+)
+
+
+def _reseal_coded(body: bytes) -> bytes:
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def test_the_fuzzed_message_is_entropy_coded() -> None:
+    assert _CODED[:4] == b"FDTE"
+
+
+@_SETTINGS
+@given(st.integers(min_value=0, max_value=len(_CODED) - 1))
+def test_coded_truncations(length: int) -> None:
+    assert _decode_or_payload_error(_CODED[:length]) is None
+
+
+@_SETTINGS
+@given(st.lists(st.tuples(st.integers(0, len(_CODED) - 1), st.integers(1, 255)), min_size=1))
+def test_coded_byte_flips_are_caught_by_the_crc(flips: list[tuple[int, int]]) -> None:
+    data = bytearray(_CODED)
+    for position, mask in flips:
+        data[position] ^= mask
+    result = _decode_or_payload_error(bytes(data))
+    assert result is None or bytes(data) == _CODED
+
+
+@_SETTINGS
+@given(st.lists(st.tuples(st.integers(6, len(_CODED) - 5), st.integers(0, 255)), min_size=1))
+def test_coded_resealed_corruptions_raise_only_payload_error(edits: list[tuple[int, int]]) -> None:
+    # a valid CRC: the zstd frame checks, the bounds and the body's validation must hold
+    body = bytearray(_CODED[:-4])
+    for position, value in edits:
+        body[position] = value
+    result = _decode_or_payload_error(_reseal_coded(bytes(body)))
+    if result is not None:
+        for tensor in result.values():
+            assert tensor.numel() <= len(_CODED) * 64 * 5
+
+
+@_SETTINGS
+@given(st.binary(max_size=300))
+def test_random_frames_behind_a_valid_prefix(frame: bytes) -> None:
+    _decode_or_payload_error(_reseal_coded(b"FDTE" + bytes([1, 0]) + frame))

@@ -13,18 +13,24 @@ __all__ = ["HELP", "NAME", "add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``certs`` and its options."""
     sub = parser.add_subparsers(dest="deploy_command", metavar="ACTION", required=True)
-    certs = sub.add_parser("certs", help="write ca.crt, server.pem/.key and SuperNode key pairs")
+    certs = sub.add_parser(
+        "certs",
+        help="write ca.crt, server.pem/.key and SuperNode key pairs",
+        formatter_class=parser.formatter_class,
+    )
     certs.add_argument("out_dir", help="directory to write into (created if missing)")
     certs.add_argument("--host", action="append", dest="hosts", metavar="NAME_OR_IP",
                        help="SuperLink host name or IP for the certificate, in addition "
                             "to 127.0.0.1 and localhost (which the SuperLink's own SuperExec "
-                            "uses); repeatable")
+                            "uses); repeatable (default: only those two)")
     certs.add_argument("--supernodes", type=int, default=0, metavar="N",
                        help="also write N SuperNode key pairs supernode-0 ... supernode-N-1")
     certs.add_argument("--gossip-peers", type=int, default=0, metavar="N",
                        help="also issue N gossip peer certificates (node ids 0 ... N-1) from "
-                            "the same CA into OUT_DIR/gossip, for the peers' --tls-dir")
-    certs.add_argument("--valid-days", type=int, default=365)
+                            "the same CA into OUT_DIR/gossip, for the peers' --tls-dir "
+                            "(default: 0, none)")
+    certs.add_argument("--valid-days", type=int, default=365,
+                       help="validity of the certificates, in days")
 
 
 def run(args: argparse.Namespace) -> int:

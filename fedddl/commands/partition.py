@@ -16,13 +16,25 @@ _DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100", "tiny-im
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``fedddl partition`` to ``parser``."""
-    parser.add_argument("--dataset", default="digits", choices=_DATASETS)
-    parser.add_argument("--split", default="train", choices=("train", "test"))
-    parser.add_argument("--num-shards", type=int, default=10)
-    parser.add_argument("--method", default="stratified", choices=_METHODS)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration")
-    parser.add_argument("--data-root", default=None, help="dataset directory ($FEDDDL_DATA)")
+    parser.add_argument("--dataset", default="digits", choices=_DATASETS, help="dataset name")
+    parser.add_argument(
+        "--split", default="train", choices=("train", "test"), help="which split to partition"
+    )
+    parser.add_argument("--num-shards", type=int, default=10, help="number of shards")
+    parser.add_argument(
+        "--method", default="stratified", choices=_METHODS, help="how samples go to shards"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="shuffling seed")
+    parser.add_argument(
+        "--alpha",
+        type=float,
+        default=0.5,
+        help="Dirichlet concentration of --method dirichlet (smaller = more skewed)",
+    )
+    parser.add_argument(
+        "--data-root", default=None, help="dataset directory (default: $FEDDDL_DATA or the "
+        "dataset's standard place)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 

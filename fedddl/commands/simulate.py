@@ -11,40 +11,140 @@ HELP = "run a Flower simulation (TernGrad, GradientAverage or FedAvg) and write 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``simulate`` options."""
+    """Add the ``simulate`` options.
+
+    Each option is a shortcut for one run-config key; ``--run-config`` sets any key of
+    ``[tool.flwr.app.config]`` and is applied after the shortcuts.
+    """
     parser.add_argument(
         "--strategy",
         default="terngrad",
         help="terngrad | gradient-average | fedavg | package.module:Class",
     )
     parser.add_argument(
-        "--partition", default="stratified", choices=("stratified", "random", "dirichlet")
+        "--partition",
+        default="stratified",
+        choices=("stratified", "random", "dirichlet"),
+        help="how the training set is split over the clients",
     )
-    parser.add_argument("--dirichlet-alpha", type=float, default=0.5)
-    parser.add_argument("--dataset", default="digits")
-    parser.add_argument("--data-root", default="")
-    parser.add_argument("--arch", default="", help="mlp | cnn | resnet18 (default: per dataset)")
-    parser.add_argument("--num-clients", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=100)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--local-steps", type=int, default=1)
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument(
+        "--dirichlet-alpha",
+        type=float,
+        default=0.5,
+        help="Dirichlet concentration of --partition dirichlet (smaller = more skewed)",
+    )
+    parser.add_argument("--dataset", default="digits", help="dataset name (digits is embedded)")
+    parser.add_argument(
+        "--data-root",
+        default="",
+        help="dataset directory (default: $FEDDDL_DATA or the dataset's standard place)",
+    )
+    parser.add_argument(
+        "--arch",
+        default="",
+        help="mlp | cnn | resnet8 | resnet20 | resnet18 (default: the dataset's own)",
+    )
+    parser.add_argument("--num-clients", type=int, default=10, help="simulated clients")
+    parser.add_argument("--rounds", type=int, default=100, help="server rounds")
+    parser.add_argument("--seed", type=int, default=0, help="seed of model, shards and sampling")
+    parser.add_argument(
+        "--local-steps", type=int, default=1, help="SGD minibatch steps per client per round"
+    )
+    parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate")
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, in [0, 1)")
+    parser.add_argument(
+        "--batch-size", type=int, default=32, help="samples per minibatch per client"
+    )
+    parser.add_argument(
+        "--model",
+        default="",
+        help="your own model, package.module:factory(input_shape, num_classes) (default: none)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu | cuda | cuda:N | auto (CUDA when present) (default: cpu)",
+    )
+    parser.add_argument(
+        "--gpus-per-client",
+        type=float,
+        default=None,
+        help="Ray GPU share per client (default: 0 on the CPU, 1/num-clients on CUDA)",
+    )
     parser.add_argument(
         "--compressor", default="ternary-base3", help="registered uplink compressor name (TernGrad)"
     )
     parser.add_argument(
-        "--downlink", default="reternarize", choices=("reternarize", "shared-scale-sum")
+        "--downlink",
+        default="reternarize",
+        choices=("reternarize", "shared-scale-sum"),
+        help="how the server encodes the aggregate it broadcasts",
     )
-    parser.add_argument("--clip-sigma", type=float, default=2.5)
+    parser.add_argument(
+        "--clip-sigma",
+        type=float,
+        default=2.5,
+        help="ternary gradient clipping, in standard deviations of each tensor",
+    )
     parser.add_argument(
         "--error-feedback", action="store_true", help="client-side residual memory for the uplink"
     )
-    parser.add_argument("--fraction-train", type=float, default=1.0)
-    parser.add_argument("--update-log-size", type=int, default=8)
     parser.add_argument(
-        "--plugins", default="", help="comma-separated modules to import first (custom compressors)"
+        "--fp32-min-numel",
+        type=int,
+        default=0,
+        help="parameters with fewer elements travel in fp32 (default: 0, none)",
+    )
+    parser.add_argument(
+        "--fp32-logits",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the last Linear layer's parameters travel in fp32 (default: on)",
+    )
+    parser.add_argument(
+        "--fp32-warmup-rounds",
+        type=int,
+        default=0,
+        help="first rounds send everything in fp32, in rounds (default: 0)",
+    )
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=1,
+        help="evaluate every N rounds, and the last (default: 1)",
+    )
+    parser.add_argument(
+        "--eval-samples",
+        type=int,
+        default=0,
+        help="evaluate on this many test examples, a seeded subset (default: 0, all)",
+    )
+    parser.add_argument(
+        "--fraction-train",
+        type=float,
+        default=1.0,
+        help="fraction of the clients sampled per round, in (0, 1]",
+    )
+    parser.add_argument(
+        "--update-log-size",
+        type=int,
+        default=8,
+        help="encoded updates (rounds) the server keeps for catching clients up",
+    )
+    parser.add_argument(
+        "--plugins",
+        default="",
+        help="comma-separated modules to import first, e.g. custom compressors (default: none)",
+    )
+    parser.add_argument(
+        "--run-config",
+        action="append",
+        default=[],
+        metavar="'KEY=VALUE ...'",
+        help="run-config keys of [tool.flwr.app.config] in Flower's syntax (TOML values: "
+        "strings in quotes), e.g. \"strategy='fedavg' min-replies=2\", or a .toml file; "
+        "repeatable; applied after the shortcut options above, so it wins over them "
+        "(default: none)",
     )
     parser.add_argument(
         "--cpus-per-client",
@@ -52,7 +152,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="Ray CPUs per client (1: one actor per core)",
     )
-    parser.add_argument("--out", default="", help="results JSON path")
+    parser.add_argument("--out", default="", help="results JSON path (default: not written)")
     parser.add_argument("--quiet", action="store_true", help="no per-round progress lines")
 
 
@@ -68,6 +168,13 @@ def run(args: argparse.Namespace) -> int:
             dataset=args.dataset,
             data_root=args.data_root,
             arch=args.arch,
+            model=args.model,
+            device=args.device,
+            fp32_min_numel=args.fp32_min_numel,
+            fp32_logits=args.fp32_logits,
+            fp32_warmup_rounds=args.fp32_warmup_rounds,
+            eval_every=args.eval_every,
+            eval_samples=args.eval_samples,
             partition=args.partition,
             dirichlet_alpha=args.dirichlet_alpha,
             seed=args.seed,
@@ -83,17 +190,29 @@ def run(args: argparse.Namespace) -> int:
             update_log_size=args.update_log_size,
             plugins=args.plugins,
         )
+        if args.run_config:
+            from fedddl.flower.run_config import parse_run_config
+
+            cfg = cfg.updated(parse_run_config(args.run_config))
         if args.num_clients < 1:
             raise ValueError(f"--num-clients must be >= 1, got {args.num_clients}")
     except ValueError as err:
         print(f"fedddl simulate: {err}", file=sys.stderr)
         return 2
-    result = simulate(
-        cfg,
-        num_clients=args.num_clients,
-        num_cpus_per_client=args.cpus_per_client,
-        out=args.out or None,
-        progress=None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True)),
-    )
+    from fedddl.progress import Progress
+
+    progress = None if args.quiet else Progress(cfg.num_server_rounds, NAME, unit="rounds")
+    try:
+        result = simulate(
+            cfg,
+            num_clients=args.num_clients,
+            num_cpus_per_client=args.cpus_per_client,
+            num_gpus_per_client=args.gpus_per_client,
+            out=args.out or None,
+            progress=progress,
+        )
+    finally:
+        if progress is not None:
+            progress.close()
     print(json.dumps(result["summary"]))
     return 0

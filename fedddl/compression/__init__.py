@@ -28,7 +28,7 @@ from fedddl.compression.registry import (
 )
 from fedddl.compression.sharing import local_scales, max_scales
 from fedddl.compression.ternarize import PROBABILITY_BITS
-from fedddl.compression.ternary import TernaryCompressor
+from fedddl.compression.ternary import TernaryCompressor, TernaryEntropyCompressor
 from fedddl.compression.wire import FORMAT_VERSION, MAGIC, decode_update, encode_update
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "PayloadError",
     "ResidualMemory",
     "TernaryCompressor",
+    "TernaryEntropyCompressor",
     "TernaryPayload",
     "available_compressors",
     "decode_update",

@@ -31,6 +31,10 @@ class Compressor(ABC):
     #: A plug-in compressor opts in by setting it to ``True``.
     ternary: bool = False
 
+    #: Entropy coding of the whole message by :func:`~fedddl.compression.encode_update`:
+    #: ``""`` (none) or ``"zstd"`` (format in :mod:`fedddl.compression.entropy`).
+    entropy_coding: str = ""
+
     @abstractmethod
     def compress(
         self, tensor: torch.Tensor, *, scale: float | None = None

@@ -17,7 +17,20 @@ Two formats, told apart by the first byte:
         count x (u16 name length, name, u8 ndim, ndim x u32 dims, f32 scale, u8 bits),
         packed data of every entry (ceil(numel * bits / 8) bytes each), u32 crc32
 
-Both decode with :func:`decode_broadcast`, which raises
+``b"B"`` bundle (only when there is more than a gradient to send)
+    Sections of the broadcast: the ternary gradient as a ``b"E"``/``b"S"`` broadcast, the
+    gradients of tensors exempt from ternarisation in fp32 (``fp32-min-numel``,
+    ``fp32-logits``), and the round's pooled BatchNorm statistics
+    (:mod:`fedddl.running_stats`); the last two are :func:`encode_update` bytes of the
+    identity compressor. Layout (little-endian)::
+
+        b"B", u8 count, count x (u8 kind, u64 length, bytes), u32 crc32
+
+    with kinds 1 (gradient broadcast), 2 (fp32 gradients), 3 (statistics), each at most
+    once, in that order.
+
+All decode with :func:`decode_broadcast_parts` (gradient and statistics) or
+:func:`decode_broadcast` (the gradient alone), which raise
 :class:`~fedddl.compression.PayloadError` on anything malformed.
 """
 
@@ -25,7 +38,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -37,9 +50,12 @@ from fedddl.compression.wire import decode_update, encode_update
 from fedddl.framing import CRC, seal, unseal
 
 __all__ = [
+    "TAG_BUNDLE",
     "TAG_ENCODED",
     "TAG_SHARED_SUM",
     "decode_broadcast",
+    "decode_broadcast_parts",
+    "encode_bundle",
     "encode_reencoded",
     "encode_shared_sum",
     "shared_sum_bits",
@@ -48,15 +64,25 @@ __all__ = [
 
 TAG_ENCODED = b"E"
 TAG_SHARED_SUM = b"S"
+TAG_BUNDLE = b"B"
+SECTION_GRADIENT, SECTION_DENSE, SECTION_STATISTICS = 1, 2, 3
+_SECTION = struct.Struct("<BQ")
+_BUNDLE_WHAT = "bundled update"
 _HEAD = struct.Struct("<cHI")
 _WHAT = "shared-sum update"
 
 
 def encode_reencoded(
-    aggregate: Mapping[str, torch.Tensor], compressor: Compressor, memory: Memory | None
+    aggregate: Mapping[str, torch.Tensor],
+    compressor: Compressor,
+    memory: Memory | None,
+    dense: Collection[str] = (),
 ) -> bytes:
-    """Encode ``aggregate`` with ``compressor`` (and error-feedback ``memory``)."""
-    return TAG_ENCODED + encode_update(aggregate, compressor, memory)
+    """Encode ``aggregate`` with ``compressor`` (and error-feedback ``memory``).
+
+    Tensors named in ``dense`` travel in fp32 (see :func:`encode_update`).
+    """
+    return TAG_ENCODED + encode_update(aggregate, compressor, memory, dense=dense)
 
 
 def shared_sum_bits(num_contributions: int) -> int:
@@ -167,8 +193,101 @@ def _decode_shared_sum(data: bytes) -> dict[str, torch.Tensor]:
     return out
 
 
+def encode_bundle(
+    gradient: bytes | None,
+    dense: Mapping[str, torch.Tensor] | None = None,
+    statistics: Mapping[str, torch.Tensor] | None = None,
+) -> bytes:
+    """Bundle a gradient broadcast with fp32 gradients and statistics (a ``b"B"`` update).
+
+    Returns ``gradient`` itself when there is nothing else to send.
+    """
+    from fedddl.compression.identity import IdentityCompressor
+
+    sections: list[tuple[int, bytes]] = []
+    if gradient is not None:
+        sections.append((SECTION_GRADIENT, gradient))
+    for kind, tensors in ((SECTION_DENSE, dense), (SECTION_STATISTICS, statistics)):
+        if tensors:
+            sections.append((kind, encode_update(tensors, IdentityCompressor())))
+    if gradient is not None and len(sections) == 1:
+        return gradient
+    body = [TAG_BUNDLE, struct.pack("<B", len(sections))]
+    for kind, data in sections:
+        body += [_SECTION.pack(kind, len(data)), data]
+    return seal(b"".join(body))
+
+
+def _decode_bundle(
+    data: bytes, out: Mapping[str, torch.Tensor] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    body = unseal(_BUNDLE_WHAT, data, error=PayloadError)
+    if len(body) < 2:
+        raise PayloadError(f"{_BUNDLE_WHAT} is truncated")
+    count, pos = body[1], 2
+    parts: dict[int, bytes] = {}
+    for _ in range(count):
+        if pos + _SECTION.size > len(body):
+            raise PayloadError(f"{_BUNDLE_WHAT}: truncated section header")
+        kind, length = _SECTION.unpack_from(body, pos)
+        pos += _SECTION.size
+        if kind not in (SECTION_GRADIENT, SECTION_DENSE, SECTION_STATISTICS) or kind in parts:
+            raise PayloadError(f"{_BUNDLE_WHAT}: unknown or repeated section kind {kind}")
+        if parts and kind < max(parts):
+            raise PayloadError(f"{_BUNDLE_WHAT}: sections out of order")
+        if pos + length > len(body):
+            raise PayloadError(f"{_BUNDLE_WHAT}: section {kind} is truncated")
+        parts[kind] = bytes(body[pos : pos + length])
+        pos += length
+    if pos != len(body):
+        raise PayloadError(f"{_BUNDLE_WHAT}: {len(body) - pos} trailing bytes")
+    update: dict[str, torch.Tensor] = {}
+    if SECTION_GRADIENT in parts:
+        inner = parts[SECTION_GRADIENT]
+        if inner[:1] not in (TAG_ENCODED, TAG_SHARED_SUM):
+            raise PayloadError(f"{_BUNDLE_WHAT}: the gradient section must be E or S")
+        update = _decode_gradient(inner, out)
+    if SECTION_DENSE in parts:
+        dense = decode_update(parts[SECTION_DENSE])
+        overlap = sorted(set(dense) & set(update))
+        if overlap:
+            raise PayloadError(f"{_BUNDLE_WHAT}: tensors sent twice: {overlap[:5]}")
+        update.update(dense)
+    statistics = decode_update(parts[SECTION_STATISTICS]) if SECTION_STATISTICS in parts else {}
+    return update, statistics
+
+
+def _decode_gradient(
+    data: bytes, out: Mapping[str, torch.Tensor] | None
+) -> dict[str, torch.Tensor]:
+    """A ``b"E"`` broadcast decoded into ``out`` when given, else any broadcast."""
+    if out is not None and data[:1] == TAG_ENCODED:
+        decode_update(data[1:], out=out)
+        return dict(out)
+    return decode_broadcast(data)
+
+
+def decode_broadcast_parts(
+    data: bytes, out: Mapping[str, torch.Tensor] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Decode a broadcast of any format into ``(gradient by name, statistics by name)``.
+
+    With ``out`` (one buffer per tensor of the gradient, on any device), a re-encoded
+    (``b"E"``) gradient is decoded into those buffers, on their device, and they are
+    returned; the other formats decode on the host.
+
+    Raises
+    ------
+    PayloadError
+        On an unknown tag or malformed content (``out`` is then left untouched).
+    """
+    if data[:1] == TAG_BUNDLE:
+        return _decode_bundle(data, out)
+    return _decode_gradient(data, out), {}
+
+
 def decode_broadcast(data: bytes) -> dict[str, torch.Tensor]:
-    """Decode a broadcast update of either format.
+    """Decode the gradient of a broadcast update of any format (statistics are dropped).
 
     Raises
     ------
@@ -182,4 +301,6 @@ def decode_broadcast(data: bytes) -> dict[str, torch.Tensor]:
         return decode_update(data[1:])
     if tag == TAG_SHARED_SUM:
         return _decode_shared_sum(data)
+    if tag == TAG_BUNDLE:
+        return _decode_bundle(data)[0]
     raise PayloadError(f"broadcast update has unknown tag {tag!r}")

@@ -79,4 +79,5 @@ class ResidualMemory(Memory):
                 f"tensor {name!r}: decompressed shape {tuple(decompressed.shape)} != "
                 f"{tuple(tensor.shape)}"
             )
-        self._residuals[name] = (tensor.detach() - decompressed.to(tensor.dtype)).detach()
+        target = decompressed.to(device=tensor.device, dtype=tensor.dtype)
+        self._residuals[name] = (tensor.detach() - target).detach()

@@ -32,12 +32,14 @@ import bisect
 import itertools
 import sys
 from collections.abc import Iterator, Sequence
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 from numpy.lib.stride_tricks import as_strided
 
+from fedddl.compression.jit import jit_kernels
 from fedddl.compression.parallel import run_in_chunks, run_pipelined
 
 __all__ = [
@@ -101,6 +103,9 @@ def _build_tables() -> dict[str, np.ndarray]:
 
 
 _TABLES = _build_tables()
+# the base-3 table as rows of 8 float32 (5 used), flat, for the compiled kernel
+_BASE3_ROWS = np.zeros((256, 8), dtype=np.float32)
+_BASE3_ROWS[:, :5] = _TABLES["base3"]
 #: Bytes a code buffer needs past its last code for :func:`pack_padded_codes`.
 PACK_SLACK = 8
 _UNPACK_CHUNK = 1 << 16  # packed bytes per gather (1 MiB of float32 out): small intp index
@@ -322,15 +327,24 @@ class _Gather:
         self.table: np.ndarray[Any, Any] = _TABLES[codec] * np.float32(scale)
         self.target, self.numel, self.per = target, numel, per
         self.whole = numel // per  # bytes whose every slot holds a value
+        self.codec = codec
         if codec == "2bit":
             # one 16-byte entry (4 float32) per byte: gather it as a single complex128
             self.rows = self.table.view(np.complex128).reshape(256)
             self.dest = target[: self.whole * 4].view(np.complex128)
         else:
             self.rows, self.dest = self.table, target[: self.whole * 5].reshape(self.whole, 5)
+        self.flat_rows = (_BASE3_ROWS * np.float32(scale)).reshape(-1) if codec == "base3" else None
 
-    def run(self, lo: int, hi: int) -> None:
-        """Decode whole bytes ``lo .. hi``."""
+    def run(self, lo: int, hi: int, kernels: ModuleType | None = None) -> None:
+        """Decode whole bytes ``lo .. hi`` (with the compiled ``kernels``, if given)."""
+        if kernels is not None:
+            if self.flat_rows is not None:
+                target = self.target[lo * 5 : hi * 5]
+                kernels.unpack_base3(self.source[lo:hi], self.flat_rows, target)
+            else:
+                kernels.unpack_2bit(self.source[lo:hi], self.rows, self.dest[lo:hi])
+            return
         for start in range(lo, hi, _UNPACK_CHUNK):
             stop = min(start + _UNPACK_CHUNK, hi)
             index = self.source[start:stop].astype(np.intp)
@@ -354,6 +368,7 @@ class _Batch:
         self.gathers = gathers
         self.starts = list(itertools.accumulate((g.whole for g in gathers), initial=0))
         self.total = self.starts[-1]
+        self.kernels = jit_kernels(sum(g.numel for g in gathers))
 
     def _pieces(self, lo: int, hi: int) -> Iterator[tuple[_Gather, int, int]]:
         index = bisect.bisect_right(self.starts, lo) - 1
@@ -366,7 +381,7 @@ class _Batch:
 
     def run(self, lo: int, hi: int) -> None:
         for gather, start, stop in self._pieces(lo, hi):
-            gather.run(start, stop)
+            gather.run(start, stop, self.kernels)
 
     def touch(self, lo: int, hi: int) -> None:
         for gather, start, stop in self._pieces(lo, hi):

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = [
     "MAX_WORKERS",
     "chunk_units",
+    "copy_bytes",
     "run_in_chunks",
     "run_pipelined",
     "run_units",
@@ -130,3 +133,19 @@ def run_pipelined(
             futures[len(futures) - workers].exception()
         futures.append(_executor().submit(work, lo, hi))
     _raise_first(futures)
+
+
+_COPY_CHUNK = 1 << 22  # bytes per chunk of copy_bytes: 4 MiB
+
+
+def copy_bytes(target: np.ndarray[Any, Any], source: np.ndarray[Any, Any]) -> None:
+    """``np.copyto(target, source)`` of equal-size 1-D byte arrays, on up to
+    ``torch.get_num_threads()`` threads for large ones (a single thread does not
+    reach the machine's memory bandwidth)."""
+    if target.shape != source.shape:
+        raise ValueError(f"copy_bytes: {target.shape} bytes into {source.shape}")
+
+    def work(lo: int, hi: int) -> None:
+        np.copyto(target[lo:hi], source[lo:hi])
+
+    run_in_chunks(work, source.size, _COPY_CHUNK)

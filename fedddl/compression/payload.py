@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedddl.compression.device_kernels import unpack_codes as unpack_on_device
 from fedddl.compression.packing import CODECS, unpack_codes
 
 __all__ = [
@@ -38,13 +39,21 @@ SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
     torch.bfloat16,
 )
 
+_CPU = torch.device("cpu")
+
 
 @dataclass(frozen=True)
 class Context:
-    """What the receiver needs besides the payload: the original shape and dtype."""
+    """What the receiver needs besides the payload: the original shape and dtype.
+
+    ``device`` is where the sender's tensor lives; it is not sent, and only tells
+    :func:`decompress_payload` where to rebuild the sender's view (error feedback) when
+    it is not the CPU (the default: payloads are rebuilt where they are).
+    """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    device: torch.device = _CPU
 
     @property
     def numel(self) -> int:
@@ -117,7 +126,8 @@ def decompress_payload(payload: Payload, ctx: Context) -> torch.Tensor:
 
     Shared by every compressor's ``decompress`` and by ``decode_update``, so the
     sender's view of what it sent (used for error feedback) is bit-identical to
-    what the receiver decodes.
+    what the receiver decodes.  When ``ctx.device`` is not the CPU the result is
+    rebuilt there (ternary codes are unpacked on it).
     """
     if isinstance(payload, DensePayload):
         values = payload.values
@@ -126,10 +136,17 @@ def decompress_payload(payload: Payload, ctx: Context) -> torch.Tensor:
                 f"dense payload is {tuple(values.shape)}/{values.dtype}, "
                 f"context says {ctx.shape}/{ctx.dtype}"
             )
+        if ctx.device.type != "cpu":  # e.g. the torch path's host copy of a device tensor
+            return values.to(ctx.device, copy=True)
         return values.clone()
     if isinstance(payload, TernaryPayload):
         if payload.numel != ctx.numel:
             raise ValueError(f"payload has {payload.numel} values, context needs {ctx.numel}")
+        if ctx.device.type != "cpu":  # unpack where the sender's tensor lives
+            out = torch.empty(payload.numel, dtype=ctx.dtype, device=ctx.device)
+            codes = payload.codes.to(ctx.device)
+            unpack_on_device(codes, payload.numel, payload.scale, payload.codec, out)
+            return out.reshape(ctx.shape)
         flat = unpack_codes(payload.codes, payload.numel, payload.scale, payload.codec)
         return flat.to(ctx.dtype).reshape(ctx.shape)
     raise TypeError(f"unknown payload type {type(payload).__name__}")

@@ -6,6 +6,11 @@
   the bit-level specification the fast packer is checked against.
 * :func:`reference_codes`: the stochastic rule of
   :mod:`fedddl.compression.ternarize` with the same random stream, unchunked.
+* :func:`grace_terngrad_compress` / :func:`grace_terngrad_decompress`: TernGrad
+  as the GRACE framework implements it (Xu et al., "GRACE: A Compressed
+  Communication Framework for Distributed Machine Learning", ICDCS 2021; its
+  PyTorch ``TernGradCompressor``): the same sequence of tensor operations, for
+  the speed comparisons of ``fedddl bench compression``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import torch
 from fedddl.compression.ternarize import PROBABILITY_BITS
 
 __all__ = [
+    "grace_terngrad_compress",
+    "grace_terngrad_decompress",
     "naive_pack",
     "naive_ternarize",
     "python_pack",
@@ -102,3 +109,34 @@ def reference_codes(
         fire = r < level
         signs.append((-1 if np.signbit(np.float32(g)) else 1) if fire else 0)
     return signs
+
+
+def grace_terngrad_compress(
+    tensor: torch.Tensor,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Size]:
+    """TernGrad compression step by step as GRACE does it: clip to 2.5 population
+    standard deviations, scalar ``s = max|clipped|``, a ``uniform_(0, s)`` sample per
+    value, zero where the sample is ``>= |clipped|``, and the signs as ``int8``.
+
+    Returns ``((int8 signs, 1-element scalar tensor), original shape)``.
+    """
+    shape = tensor.size()
+    flat = tensor.flatten()
+    deviation = torch.sqrt(torch.mean((flat - torch.mean(flat)) ** 2))
+    bound = 2.5 * deviation.item()
+    clipped = torch.clamp(flat, -bound, bound)
+    magnitude = clipped.abs()
+    scalar = magnitude.max()
+    scaled_signs = clipped.sign() * scalar
+    sample = torch.empty_like(flat).uniform_(0, scalar.item())
+    scaled_signs[sample >= magnitude] = 0
+    return (scaled_signs.sign().type(torch.int8), scalar.flatten()), shape
+
+
+def grace_terngrad_decompress(
+    compressed: tuple[torch.Tensor, torch.Tensor], shape: torch.Size
+) -> torch.Tensor:
+    """GRACE's TernGrad decompression: the ``int8`` signs as float32 times the scalar
+    (a new tensor)."""
+    signs, scalar = compressed
+    return (signs.type(torch.float32) * scalar).view(shape)

@@ -7,7 +7,7 @@ from typing import Any
 
 from fedddl.compression.base import Compressor
 from fedddl.compression.identity import IdentityCompressor
-from fedddl.compression.ternary import TernaryCompressor
+from fedddl.compression.ternary import TernaryCompressor, TernaryEntropyCompressor
 
 __all__ = [
     "available_compressors",
@@ -101,6 +101,19 @@ def _ternary_base3(**kwargs: Any) -> Compressor:
     return TernaryCompressor(codec="base3", **kwargs)
 
 
+def _ternary_threshold(**kwargs: Any) -> Compressor:
+    return TernaryCompressor(deterministic=True, **kwargs)
+
+
+def _ternary_threshold_base3(**kwargs: Any) -> Compressor:
+    return TernaryCompressor(deterministic=True, codec="base3", **kwargs)
+
+
 register_compressor("ternary", TernaryCompressor)
 register_compressor("ternary-base3", _ternary_base3)
+register_compressor("ternary-entropy", TernaryEntropyCompressor)
+# Deterministic threshold ternary (biased, contractive: |error| <= |input| per value), the
+# pairing for error feedback on whole model deltas (fedddl.flower.TernaryDelta).
+register_compressor("ternary-threshold", _ternary_threshold)
+register_compressor("ternary-threshold-base3", _ternary_threshold_base3)
 register_compressor("identity", IdentityCompressor)

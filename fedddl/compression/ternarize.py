@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from fedddl.compression.jit import jit_kernels
 from fedddl.compression.packing import PACK_SLACK, codes_per_byte, pack_padded_codes, packed_size
 from fedddl.compression.parallel import chunk_units, run_in_chunks, run_units
 
@@ -51,6 +52,7 @@ _VALUES_PER_WORD = 4  # 16-bit random integers per 64-bit PCG64DXSM output
 #: Elements per chunk of work: a multiple of 4 and 5 (so only the last chunk has a partial
 #: byte), large enough that GIL hand-overs between threads are rare, small enough for L2.
 CHUNK = 20 * 16384
+_LOW_64 = (1 << 64) - 1
 
 
 class RandomBits:
@@ -67,6 +69,14 @@ class RandomBits:
         forked.state = self._bitgen.state
         forked.advance(offset_values // _VALUES_PER_WORD)
         return forked
+
+    def state_at(self, offset_values: int) -> np.ndarray:
+        """The generator state ``offset_values`` values ahead (a multiple of 4), as the four
+        ``uint64`` (state high, state low, increment high, increment low) that the
+        compiled kernels take (:mod:`fedddl.compression.kernels`)."""
+        state = self.fork(offset_values).state["state"]
+        words = (state["state"] >> 64, state["state"], state["inc"] >> 64, state["inc"])
+        return np.array([w & _LOW_64 for w in words], dtype=np.uint64)
 
     def skip(self, count: int) -> None:
         """Advance the stream past ``count`` values (rounded up to whole 64-bit words)."""
@@ -151,6 +161,30 @@ def ternarize_stochastic_batch(
     bases = list(itertools.accumulate((-(-v.size // 4) * 4 for v in arrays), initial=0))
     units, weights = chunk_units([values.size for values in arrays], CHUNK)
 
+    kernels = jit_kernels(sum(weights))
+
+    def work_jit(first: int, stop: int) -> None:
+        assert kernels is not None
+        state: np.ndarray | None = None
+        position = -1
+        for k, start in units[first:stop]:
+            if state is None or bases[k] + start != position:  # not where the last chunk ended
+                state = bits.state_at(bases[k] + start)
+            chunk = arrays[k][start : start + CHUNK]
+            size = chunk.size
+            position = bases[k] + start + -(-size // 4) * 4  # the kernel draws whole words
+            first_byte = start // per
+            target = outs[k][first_byte : first_byte + packed_size(size, codec)]
+            limit = limits[k]
+            kernels.ternarize_pack(
+                chunk,
+                state,
+                factors[k],
+                np.float32(np.inf) if limit is None else limit,
+                target,
+                codec == "base3",
+            )
+
     def work(first: int, stop: int) -> None:
         largest = max(weights[first:stop])
         level = np.empty(largest, dtype=np.float32)
@@ -180,7 +214,7 @@ def ternarize_stochastic_batch(
             target = outs[k][first_byte : first_byte + packed_size(size, codec)]
             pack_padded_codes(codes, size, target, codec)
 
-    run_units(work, weights, CHUNK)
+    run_units(work if kernels is None else work_jit, weights, CHUNK)
     for values in arrays:
         bits.skip(values.size)
     return [torch.from_numpy(out) for out in outs]

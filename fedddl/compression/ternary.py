@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from fedddl.compression import device_path
 from fedddl.compression.base import Compressor
 from fedddl.compression.packing import CODECS, packed_size
 from fedddl.compression.payload import (
@@ -28,7 +29,7 @@ from fedddl.compression.ternarize import (
     ternarize_stochastic_batch,
 )
 
-__all__ = ["TernaryCompressor"]
+__all__ = ["TernaryCompressor", "TernaryEntropyCompressor"]
 
 
 def _as_float32_scale(value: float) -> float:
@@ -66,7 +67,10 @@ class TernaryCompressor(Compressor):
     -----
     An instance owns one random stream: do not call :meth:`compress` on the
     same instance from several threads at once (use one instance per worker).
-    Inputs on another device are processed on the CPU.
+    Tensors off the CPU are ternarised and packed on their device with torch ops
+    (:mod:`fedddl.compression.device_path`; its own seeded generator per device,
+    so stochastic codes differ from the CPU path's for the same seed); only the
+    packed bytes and the statistics are copied to the host.
     """
 
     name = "ternary"
@@ -96,6 +100,7 @@ class TernaryCompressor(Compressor):
         self.min_numel = min_numel
         self.codec = codec
         self._bits = RandomBits(seed)
+        self._generators = device_path.DeviceGenerators(seed)  # the torch path's
         if codec == "base3":
             self.name = "ternary-base3"
 
@@ -127,6 +132,10 @@ class TernaryCompressor(Compressor):
             return None
         if tensor.numel() == 0:
             return 0.0
+        if device_path.uses_torch_path([tensor]):  # reduced on the device
+            with_std = self.clip_sigma is not None
+            peak, bound = self._bounds(device_path.tensor_statistics(tensor, with_std))
+            return _as_float32_scale(peak if bound is None else bound)
         flat = tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
         peak, bound = self._statistics(flat)
         return _as_float32_scale(peak if bound is None else bound)
@@ -158,7 +167,9 @@ class TernaryCompressor(Compressor):
         in order, but with the work of all of them shared out over the threads.
 
         Errors name the tensor by its index (``"tensor 3: ..."``); on any error
-        the random stream has not moved.
+        the random stream has not moved.  A batch with any tensor off the CPU
+        goes to the torch path as a whole (so it equals one-at-a-time calls when
+        all its tensors are on the CPU or all are off it).
         """
         return self._compress_many(tensors, scales, label_errors=True)
 
@@ -168,6 +179,8 @@ class TernaryCompressor(Compressor):
         scales: Sequence[float | None] | None,
         label_errors: bool,
     ) -> list[tuple[Payload, Context]]:
+        if device_path.uses_torch_path(tensors):  # off the CPU: torch ops on the device
+            return device_path.compress_batch(self, tensors, scales, label_errors)
         scales = [None] * len(tensors) if scales is None else list(scales)
         if len(scales) != len(tensors):
             raise ValueError(f"{len(scales)} scales for {len(tensors)} tensors")
@@ -258,3 +271,31 @@ class TernaryCompressor(Compressor):
         if used < local:
             raise ValueError(f"shared scale {scale} is below this tensor's local scale {local}")
         return used
+
+
+class TernaryEntropyCompressor(TernaryCompressor):
+    """``ternary-base3`` codes, with each whole message entropy-coded by zstd.
+
+    The codes (hence the decoded values) are exactly those of
+    ``TernaryCompressor(codec="base3")`` with the same arguments; only the
+    message is smaller: :func:`~fedddl.compression.encode_update` compresses
+    the message's body (:mod:`fedddl.compression.entropy`) and sends the plain
+    base-3 message instead whenever that would not be smaller.
+    """
+
+    name = "ternary-entropy"
+    entropy_coding = "zstd"
+
+    def __init__(
+        self,
+        clip_sigma: float | None = 2.5,
+        seed: int = 0,
+        deterministic: bool = False,
+        threshold: float = 0.5,
+        min_numel: int = 0,
+    ) -> None:
+        super().__init__(clip_sigma, seed, deterministic, threshold, min_numel, codec="base3")
+        self.name = "ternary-entropy"
+
+    def __repr__(self) -> str:
+        return super().__repr__().replace("TernaryCompressor(", "TernaryEntropyCompressor(", 1)

@@ -21,6 +21,10 @@ Byte layout (version 1, all integers little-endian)::
                   (code layout: :mod:`fedddl.compression.packing`)
     end-4   4     u32 zlib.crc32 of every preceding byte
 
+A compressor whose ``entropy_coding`` is ``"zstd"`` (``ternary-entropy``) gets the
+same count, entries and data zstd-coded in an ``FDTE`` message when that is
+smaller (:mod:`fedddl.compression.entropy`); :func:`decode_update` reads both.
+
 A ternary entry decodes to ``s * code`` computed in float32, then cast to
 ``dtype``; a dense entry to its raw values.  Data sizes follow from the header
 alone and must add up to exactly the bytes present, which is checked before
@@ -34,14 +38,16 @@ import math
 import struct
 import warnings
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import torch
 
 from fedddl.compression.base import Compressor
+from fedddl.compression.device_path import to_host, unpack_into, unpacks_on_device
+from fedddl.compression.entropy import MAGIC as ENTROPY_MAGIC
+from fedddl.compression.entropy import open_entropy_coded, seal_entropy_coded
 from fedddl.compression.errors import PayloadError
 from fedddl.compression.memory import Memory
 from fedddl.compression.packing import (
@@ -51,6 +57,7 @@ from fedddl.compression.packing import (
     unpack_codes_batch,
     unpack_codes_new,
 )
+from fedddl.compression.parallel import copy_bytes
 from fedddl.compression.payload import (
     Context,
     DensePayload,
@@ -80,6 +87,8 @@ MAX_NDIM = 16
 MAX_DIM = 1 << 48  # torch shapes are int64; no real tensor comes near this
 
 _PREFIX = struct.Struct("<4sBBIQ")
+_MAX_SPAN = 1 << 62  # product of the non-zero dimensions (even of an empty tensor)
+_COUNT = struct.Struct("<I")  # the tensor count that opens an entropy-coded body
 _MIN_ENTRY = 2 + 3  # empty name, dtype, kind, ndim
 _KIND_DENSE, _KIND_2BIT, _KIND_BASE3 = 0, 1, 2
 _KIND_OF_CODEC = {"2bit": _KIND_2BIT, "base3": _KIND_BASE3}
@@ -95,6 +104,8 @@ _DTYPE_OF_CODE = {v: k for k, v in _DTYPE_CODES.items()}
 
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().contiguous().reshape(-1)
+    if flat.device.type != "cpu":  # e.g. a plug-in compressor's dense payload on a GPU
+        flat = to_host(flat)
     array: Any = flat.view(torch.uint8).numpy()
     return memoryview(array).cast("B")
 
@@ -150,6 +161,7 @@ def encode_update(
     *,
     scales: Mapping[str, float] | None = None,
     clamp: bool = False,
+    dense: Collection[str] = (),
 ) -> bytes:
     """Compress and serialise ``named_tensors`` into one message.
 
@@ -169,6 +181,10 @@ def encode_update(
         With ``scales``: clamp each compensated tensor to ``[-scale, scale]`` before
         compressing it (scaler sharing with scales agreed in an earlier round, which may
         lie below this tensor's own). The memory then keeps what the clamp cut off too.
+
+    dense:
+        Names of tensors sent in fp32 (their own dtype) instead of through ``compressor``
+        (TernGrad's exemptions: small tensors, the logits layer).
 
     The order is fixed here, in one place: compensate, clamp, compress, update the
     memory, serialise.
@@ -204,13 +220,11 @@ def encode_update(
         inputs = [
             t if s is None else t.clamp(-s, s) for t, s in zip(compensated, shared, strict=True)
         ]
-    try:  # one pass over all tensors (threaded), or one by one to name the bad tensor
-        compressed = compressor.compress_batch(inputs, shared)
-    except (ValueError, TypeError):
-        compressed = []
-        for name, tensor, scale in zip(names, inputs, shared, strict=True):
-            with _naming(name):
-                compressed.append(compressor.compress(tensor, scale=scale))
+    exempt = set(dense) & set(names)
+    if exempt:
+        compressed = _compress_split(names, inputs, shared, compressor, exempt)
+    else:
+        compressed = _compress_all(names, inputs, shared, compressor)
     headers: list[bytes] = []
     data: list[memoryview] = []
     pending: list[tuple[str, torch.Tensor, Payload, Context]] = []
@@ -228,9 +242,56 @@ def encode_update(
             memory.update(name, tensor, decompressed)
     body_length = sum(len(h) for h in headers) + sum(d.nbytes for d in data)
     total = _PREFIX.size + body_length + _CRC.size
+    if compressor.entropy_coding == "zstd":
+        coded = seal_entropy_coded([_COUNT.pack(len(headers)), *headers, *data], total)
+        if coded is not None:
+            return coded
+    elif compressor.entropy_coding:
+        raise ValueError(f"unknown entropy coding {compressor.entropy_coding!r}")
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(headers), total)
     crc = crc32_of(data, crc32_of(headers, zlib.crc32(prefix)))
     return b"".join([prefix, *headers, *data, _CRC.pack(crc)])
+
+
+def _compress_all(
+    names: list[str],
+    inputs: list[torch.Tensor],
+    shared: list[float | None],
+    compressor: Compressor,
+) -> list[tuple[Payload, Context]]:
+    try:  # one pass over all tensors (threaded), or one by one to name the bad tensor
+        return compressor.compress_batch(inputs, shared)
+    except (ValueError, TypeError):
+        compressed = []
+        for name, tensor, scale in zip(names, inputs, shared, strict=True):
+            with _naming(name):
+                compressed.append(compressor.compress(tensor, scale=scale))
+        return compressed
+
+
+def _compress_split(
+    names: list[str],
+    inputs: list[torch.Tensor],
+    shared: list[float | None],
+    compressor: Compressor,
+    exempt: set[str],
+) -> list[tuple[Payload, Context]]:
+    """``compressor`` on the tensors not in ``exempt``, the identity on those in it."""
+    from fedddl.compression.identity import IdentityCompressor
+
+    keep = [i for i, name in enumerate(names) if name not in exempt]
+    out: list[tuple[Payload, Context] | None] = [None] * len(names)
+    picked = _compress_all(
+        [names[i] for i in keep], [inputs[i] for i in keep], [shared[i] for i in keep], compressor
+    )
+    for i, result in zip(keep, picked, strict=True):
+        out[i] = result
+    identity = IdentityCompressor()
+    for i, name in enumerate(names):
+        if name in exempt:
+            with _naming(name):
+                out[i] = identity.compress(inputs[i])
+    return [r for r in out if r is not None]
 
 
 class _Reader:
@@ -270,16 +331,18 @@ def _check_prefix(view: memoryview) -> int:
     check_crc("compressed update", view[: total - _CRC.size], crc, error=PayloadError)
     if flags != 0:
         raise PayloadError(f"unknown flags {flags:#x}")
-    if count > MAX_TENSORS or count * _MIN_ENTRY > total - _PREFIX.size - _CRC.size:
-        raise PayloadError(f"implausible tensor count {count}")
     return int(count)
 
 
+def _check_count(count: int, body_size: int) -> None:
+    if count > MAX_TENSORS or count * _MIN_ENTRY > body_size:
+        raise PayloadError(f"implausible tensor count {count}")
+
+
 def _parse_entries(
-    view: memoryview, count: int
+    view: memoryview, count: int, start: int, end: int
 ) -> tuple[list[tuple[str, torch.dtype, int, tuple[int, ...], float]], int]:
-    end = len(view) - _CRC.size
-    reader = _Reader(view, _PREFIX.size, end)
+    reader = _Reader(view, start, end)
     entries = []
     seen: set[str] = set()
     for index in range(count):
@@ -303,6 +366,8 @@ def _parse_entries(
         shape = tuple(reader.unpack(f"<{ndim}Q", f"shape of {name!r}"))
         if any(dim > MAX_DIM for dim in shape):
             raise PayloadError(f"tensor {name!r}: a dimension of {shape} exceeds {MAX_DIM}")
+        if math.prod(dim for dim in shape if dim) > _MAX_SPAN:  # torch's strides fit int64
+            raise PayloadError(f"tensor {name!r}: shape {shape} spans more than 2**62 values")
         scale = 0.0
         if kind != _KIND_DENSE:
             (raw_scale,) = reader.unpack("<f", f"scale of {name!r}")
@@ -359,9 +424,10 @@ def _decode_entry(
     numel = math.prod(shape)
     if kind == _KIND_DENSE:
         if target is not None and _is_direct_target(target, dtype):
-            np.copyto(target.detach().reshape(-1).view(torch.uint8).numpy(), raw.numpy())
+            copy_bytes(target.detach().reshape(-1).view(torch.uint8).numpy(), raw.numpy())
             return target
-        values = raw.clone().view(dtype).reshape(shape)
+        values = torch.empty(shape, dtype=dtype)
+        copy_bytes(values.reshape(-1).view(torch.uint8).numpy(), raw.numpy())
     else:
         codec = _CODEC_OF_KIND[kind]
         values = unpack_codes(raw, numel, scale, codec).to(dtype).reshape(shape)
@@ -389,6 +455,8 @@ def decode_update(
         with the same shapes; any supported floating dtype and any device
         (values are cast).  Contiguous float32 CPU tensors are written
         directly, which is about twice as fast as allocating new tensors.
+        Ternary entries for tensors off the CPU cross as packed bytes (one
+        copy per device) and are unpacked there with torch ops.
         On any error none of them has been written.
 
     Returns
@@ -410,10 +478,28 @@ def decode_update(
         view = memoryview(data).cast("B")
     except TypeError as error:
         raise PayloadError(f"data is not a flat byte buffer: {error}") from None
+    if bytes(view[: len(ENTROPY_MAGIC)]) == ENTROPY_MAGIC:
+        body = open_entropy_coded(view)
+        if len(body) < _COUNT.size:
+            raise PayloadError(f"entropy-coded body of {len(body)} bytes has no tensor count")
+        (count,) = _COUNT.unpack_from(body)
+        return _decode_body(body, count, _COUNT.size, len(body), out)
     count = _check_prefix(view)
-    entries, data_start = _parse_entries(view, count)
+    return _decode_body(view, count, _PREFIX.size, len(view) - _CRC.size, out)
+
+
+def _decode_body(
+    view: memoryview,
+    count: int,
+    start: int,
+    end: int,
+    out: Mapping[str, torch.Tensor] | None,
+) -> dict[str, torch.Tensor]:
+    """Decode the ``count`` entries at ``view[start:end]`` and their data (CRC checked)."""
+    _check_count(count, end - start)
+    entries, data_start = _parse_entries(view, count, start, end)
     sizes = [_data_size(dtype, kind, math.prod(shape)) for _, dtype, kind, shape, _ in entries]
-    available = len(view) - _CRC.size - data_start
+    available = end - data_start
     if sum(sizes) != available:
         raise PayloadError(
             f"declared shapes need {sum(sizes)} data bytes but {available} are present"
@@ -441,6 +527,7 @@ def decode_update(
     # are batched: one threaded pass over all of them, however small each one is.
     result: dict[str, torch.Tensor] = {}
     into_buffers = []
+    on_device: list[tuple[torch.Tensor, int, float, str, torch.Tensor]] = []
     new_items, new_entries = [], []
     for entry, raw in zip(entries, raws, strict=True):
         name, dtype, kind, shape, scale = entry
@@ -453,12 +540,16 @@ def decode_update(
             new_items.append(item)
             new_entries.append(entry)
             result[name] = raw  # placeholder, keeps the message order
+        elif unpacks_on_device(target):  # off the CPU: packed bytes go there, unpacked there
+            on_device.append((*item, target))
+            result[name] = target
         elif _is_direct_target(target, torch.float32):
             into_buffers.append((*item, target.detach().reshape(-1)))
             result[name] = target
         else:
             result[name] = _decode_entry(raw, entry, target)
     unpack_codes_batch(into_buffers)
+    unpack_into(on_device)
     for (name, dtype, _, shape, _), flat in zip(
         new_entries, unpack_codes_new(new_items), strict=True
     ):

@@ -21,7 +21,8 @@ def load_dataset(
     Parameters
     ----------
     name : str
-        One of :data:`fedddl.data.DATASETS`.
+        One of :data:`fedddl.data.DATASETS`, or your own ``"package.module:loader"``
+        (see :mod:`fedddl.data.custom`).
     root : str, PathLike or None
         Data directory; None means ``$FEDDDL_DATA`` or ``~/.cache/fedddl/data``.
         Ignored by ``digits`` (bundled with scikit-learn). Fashion-MNIST falls back to
@@ -47,6 +48,10 @@ def load_dataset(
     """
     check_dataset_name(name)
     check_split(split)
+    if ":" in name:
+        from fedddl.data.custom import load_custom
+
+        return load_custom(name, split, None if root is None else str(root))
     if name == "digits":
         from fedddl.data.digits import load_digits_split
 

@@ -59,9 +59,12 @@ _INFO: dict[str, DatasetInfo] = {
 
 
 def check_dataset_name(name: str) -> str:
-    """Return ``name`` if it is a supported dataset, else raise ``ValueError``."""
-    if name not in _INFO:
-        raise ValueError(f"unknown dataset {name!r}; expected one of {', '.join(DATASETS)}")
+    """Return ``name`` if it is a supported dataset or a user loader, else raise ``ValueError``."""
+    if name not in _INFO and ":" not in name:
+        raise ValueError(
+            f"unknown dataset {name!r}; expected one of {', '.join(DATASETS)} "
+            "or 'package.module:loader'"
+        )
     return name
 
 
@@ -75,12 +78,21 @@ def check_split(split: str) -> str:
 def dataset_info(name: str) -> DatasetInfo:
     """Return the :class:`DatasetInfo` of dataset ``name``.
 
+    A user loader (``"package.module:loader"``, :mod:`fedddl.data.custom`) is described
+    from its training split, with ``cnn`` as the default model.
+
     Raises
     ------
     ValueError
-        If ``name`` is not one of :data:`DATASETS`.
+        If ``name`` is not one of :data:`DATASETS` or a loadable user loader.
     """
-    return _INFO[check_dataset_name(name)]
+    check_dataset_name(name)
+    if ":" in name:
+        from fedddl.data.custom import load_custom_info
+
+        shape, classes = load_custom_info(name)
+        return DatasetInfo(name, classes, shape, "cnn")
+    return _INFO[name]
 
 
 def default_data_root() -> Path:

@@ -21,9 +21,12 @@ Server → client, ``MessageType.TRAIN``:
 Client → server reply:
 
 * ``"update"`` :class:`~flwr.app.ArrayRecord`: ``"payload"`` → encoded (pseudo-)gradient,
-  optionally ``"scales"`` → the client's local per-tensor scales (``float32``).
+  optionally ``"scales"`` → the client's local per-tensor scales (``float32``), and, for
+  models with BatchNorm layers, ``"statistics"`` → the encoded input statistics of its
+  minibatches (:mod:`fedddl.running_stats`).
 * ``"metrics"`` :class:`~flwr.app.MetricRecord`: ``num-examples``, ``loss``,
-  ``model-version`` (and ``client-s``, handler seconds, with ``FEDDDL_CLIENT_TIMING=1``).
+  ``model-version`` (and, with ``FEDDDL_CLIENT_TIMING=1``, the diagnostics ``client-s``,
+  handler seconds, and ``client-cached``, clients whose state the process holds).
 * ``"replica"`` :class:`~flwr.app.ConfigRecord`: ``fingerprint`` (the first
   :data:`~fedddl.sync.messages.FINGERPRINT_BYTES` bytes of the replica's sha256
   fingerprint). A client that cannot catch up sends only ``"metrics"`` with
@@ -81,6 +84,7 @@ METRICS = "metrics"
 REPLICA = "replica"
 # Arrays and keys.
 PAYLOAD = "payload"
+STATISTICS = "statistics"
 SCALES_ARRAY = "s"
 SERVER_ROUND = "server-round"
 MODEL_VERSION = "model-version"
@@ -92,6 +96,7 @@ LOSS = "loss"
 RESYNC = "resync"
 FINGERPRINT = "fingerprint"
 CLIENT_SECONDS = "client-s"
+CLIENT_CACHED = "client-cached"
 #: The record of a stock FedAvg TRAIN message and reply (model weights).
 FEDAVG_ARRAYS = "arrays"
 
@@ -194,6 +199,8 @@ def build_reply_content(reply: ClientReply) -> RecordDict:
     arrays = {PAYLOAD: bytes_to_array(reply.payload)}
     if reply.scales is not None:
         arrays[SCALES] = floats_to_array(reply.scales)
+    if reply.statistics is not None:
+        arrays[STATISTICS] = bytes_to_array(reply.statistics)
     return RecordDict(
         {
             UPDATE: ArrayRecord(arrays),
@@ -256,6 +263,12 @@ def parse_reply(message: Message) -> ClientReply:
             raise ReplyError(f"{what}: bad {SCALES!r} Array: {err}") from err
         if scales.ndim != 1 or not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
             raise ReplyError(f"{what}: {SCALES!r} must be a 1-D finite non-negative float array")
+    statistics = None
+    if STATISTICS in update:
+        try:
+            statistics = array_to_bytes(update[STATISTICS])
+        except ValueError as err:
+            raise ReplyError(f"{what}: bad {STATISTICS!r} Array: {err}") from err
     return ClientReply(
-        node_id, version, raw_fp.hex(), payload, num_examples, float(loss), scales
+        node_id, version, raw_fp.hex(), payload, num_examples, float(loss), scales, statistics
     )

@@ -76,6 +76,7 @@ def run(
     *,
     num_clients: int = 10,
     num_cpus_per_client: float = 1.0,
+    num_gpus_per_client: float | None = None,
     out: str | os.PathLike[str] | None = None,
     progress: Callable[[str], None] | None = _stderr,
     verbose_logging: bool = False,
@@ -90,6 +91,10 @@ def run(
         Simulated SuperNodes (each gets ``partition-id`` / ``num-partitions``).
     num_cpus_per_client : float
         Ray resources per client; ``1`` runs one actor per core.
+    num_gpus_per_client : float | None
+        Ray GPU share per client. None: 0 when the run's ``device`` is the CPU, else
+        ``1 / num_clients`` (every client fits on one GPU). Ray hides the GPU from actors
+        that ask for none, so a CUDA run needs a share > 0.
     out : path, optional
         Where to write the results JSON as well.
     progress : Callable[[str], None] | None
@@ -116,6 +121,13 @@ def run(
         cfg = cfg.replace(min_available_nodes=num_clients)
     for key, value in _OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
+    if num_gpus_per_client is None:
+        from fedddl.devices import resolve_device
+
+        on_cpu = resolve_device(cfg.device).type == "cpu"
+        num_gpus_per_client = 0.0 if on_cpu else 1.0 / num_clients
+    if num_gpus_per_client < 0:
+        raise ValueError(f"num_gpus_per_client must be >= 0, got {num_gpus_per_client}")
 
     from flwr.simulation import run_simulation
 
@@ -130,7 +142,10 @@ def run(
                 client_app=make_client_app(cfg),
                 num_supernodes=num_clients,
                 backend_config={
-                    "client_resources": {"num_cpus": num_cpus_per_client, "num_gpus": 0.0},
+                    "client_resources": {
+                        "num_cpus": num_cpus_per_client,
+                        "num_gpus": num_gpus_per_client,
+                    },
                     "init_args": {"logging_level": "warning", "log_to_driver": True},
                 },
                 verbose_logging=verbose_logging,
@@ -149,6 +164,7 @@ def run(
     result = results[0]
     result["config"]["num-clients"] = num_clients
     result["config"]["num-cpus-per-client"] = num_cpus_per_client
+    result["config"]["num-gpus-per-client"] = num_gpus_per_client
     if out is not None:
         path = Path(out)
         path.parent.mkdir(parents=True, exist_ok=True)

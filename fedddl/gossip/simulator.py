@@ -59,6 +59,7 @@ from fedddl.gossip.sim_config import GossipConfig
 from fedddl.gossip.sim_setup import SimSetup, build_setup
 from fedddl.gossip.sim_status import StatusBoard
 from fedddl.network import LinkScheduler, NetworkModel, Transfer, load_network
+from fedddl.progress import report
 from fedddl.seeding import derive_seed
 from fedddl.training import evaluate
 
@@ -232,12 +233,13 @@ class GossipSimulation:
         reached = self.time_to_target is None and mean >= self.config.target_accuracy
         if reached:
             self.time_to_target = now
-        if self.progress is not None:
-            self.progress(
-                f"[gossip {self.config.scheduler}/{self.network.name}] t={now:8.2f}s"
-                f" acc={mean:.4f} steps={sum(n.steps for n in self.nodes)}"
-                f" msgs={self.messages} stale={self.stale_merges}"
-            )
+        report(
+            self.progress,
+            f"[gossip {self.config.scheduler}/{self.network.name}] t={now:8.2f}s"
+            f" acc={mean:.4f} steps={sum(n.steps for n in self.nodes)}"
+            f" msgs={self.messages} stale={self.stale_merges}",
+            done=now,
+        )
         return reached and self.config.stop_at_target
 
     # ---------------------------------------------------------------- run
@@ -308,6 +310,7 @@ def run_gossip(
         A :class:`GossipConfig` or a mapping of its fields.
     progress
         Called with one line per evaluation (e.g. ``print`` to stderr); ``None`` = silent.
+        A :class:`fedddl.progress.Progress` also moves its bar to the virtual time.
 
     Returns
     -------

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fedddl.compression.downlink import ternary_codes
+from fedddl.running_stats import StatisticsPool
 from fedddl.sync.messages import ClientReply
 
 __all__ = ["Aggregate", "Contribution", "running_mean"]
@@ -35,10 +36,14 @@ class Contribution:
     gradient : Mapping[str, torch.Tensor]
         The decoded (pseudo-)gradient by parameter name, float32. A buffer owned by the
         server and overwritten by the next contribution: copy what you keep.
+    statistics : Mapping[str, torch.Tensor] | None
+        The reply's checked BatchNorm input statistics (:mod:`fedddl.running_stats`);
+        None for models without BatchNorm.
     """
 
     reply: ClientReply
     gradient: Mapping[str, torch.Tensor]
+    statistics: Mapping[str, torch.Tensor] | None = None
 
 
 @dataclass
@@ -54,11 +59,14 @@ class Aggregate:
     code_sums : dict[str, torch.Tensor] | None
         Exact sums of the contributors' ternary codes (int32, flat) at the shared scales,
         when every contribution was ternary at those scales; else None.
+    statistics : dict[str, torch.Tensor] | None
+        The contributors' pooled BatchNorm statistics (None: no BatchNorm).
     """
 
     gradient: dict[str, torch.Tensor]
     contributors: list[ClientReply] = field(default_factory=list)
     code_sums: dict[str, torch.Tensor] | None = None
+    statistics: dict[str, torch.Tensor] | None = None
 
 
 def running_mean(
@@ -81,22 +89,30 @@ def running_mean(
     """
     total: dict[str, torch.Tensor] = {}
     sums: dict[str, torch.Tensor] | None = None
+    pool: StatisticsPool | None = None
     contributors: list[ClientReply] = []
     for contribution in contributions:
         gradient = contribution.gradient
         if not contributors:
             total = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in gradient.items()}
             if code_scales is not None:
-                sums = {k: torch.zeros(v.numel(), dtype=torch.int32) for k, v in gradient.items()}
+                sums = {
+                    k: torch.zeros(v.numel(), dtype=torch.int32)
+                    for k, v in gradient.items()
+                    if k in code_scales
+                }
         for name, acc in total.items():
             acc += gradient[name].to(torch.float32)
         if sums is not None and code_scales is not None:
             sums = _add_codes(sums, gradient, code_scales)
+        if contribution.statistics is not None:
+            pool = pool or StatisticsPool()
+            pool.add(contribution.statistics)
         contributors.append(contribution.reply)
     if not contributors:
         return Aggregate({})
     mean = {name: acc / len(contributors) for name, acc in total.items()}
-    return Aggregate(mean, contributors, sums)
+    return Aggregate(mean, contributors, sums, None if pool is None else pool.result())
 
 
 def _add_codes(
@@ -107,8 +123,7 @@ def _add_codes(
     """Add ``gradient``'s ternary codes to ``sums``; None if it is not ternary at ``scales``."""
     codes: dict[str, torch.Tensor] = {}
     for name in sums:
-        scale = scales.get(name)
-        found = None if scale is None else ternary_codes(gradient[name], scale)
+        found = ternary_codes(gradient[name], scales[name])
         if found is None:
             return None
         codes[name] = found

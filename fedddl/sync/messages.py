@@ -92,6 +92,10 @@ class ClientReply:
         Mean training loss over the local steps.
     scales : torch.Tensor | None
         The client's local per-tensor scales (shared-scale downlink only).
+    statistics : bytes | None
+        Encoded BatchNorm input statistics of the local minibatches
+        (:mod:`fedddl.running_stats`; identity-compressed :func:`encode_update` bytes), for
+        models with BatchNorm layers.
     """
 
     node_id: int
@@ -101,6 +105,7 @@ class ClientReply:
     num_examples: int
     loss: float
     scales: torch.Tensor | None = None
+    statistics: bytes | None = None
 
     @property
     def resync(self) -> bool:

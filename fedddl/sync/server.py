@@ -40,9 +40,15 @@ from torch import nn
 from fedddl.checkpoint import ServerCheckpoint
 from fedddl.compression import PayloadError, ResidualMemory, decode_update, is_ternary
 from fedddl.compression import make_compressor as build_compressor
-from fedddl.compression.downlink import decode_broadcast, encode_reencoded, encode_shared_sum
+from fedddl.compression.downlink import (
+    decode_broadcast_parts,
+    encode_bundle,
+    encode_reencoded,
+    encode_shared_sum,
+)
 from fedddl.compression.sharing import max_scales
 from fedddl.replica import Replica, ReplicaError, UpdateLog, check_update, plan_catch_up
+from fedddl.running_stats import StatisticsError, batchnorm_layers, check_statistics
 from fedddl.seeding import derive_seed
 from fedddl.sync import checkpoints
 from fedddl.sync.aggregation import Aggregate, Contribution, running_mean
@@ -54,6 +60,7 @@ from fedddl.sync.errors import (
     UnexpectedReply,
     VersionMismatch,
 )
+from fedddl.sync.exemptions import WARMUP_COMPRESSOR, exempt_parameters
 from fedddl.sync.messages import ClientReply, TrainInstruction, fingerprint_prefix
 from fedddl.sync.nodes import NodeBook
 from fedddl.sync.report import RoundReport
@@ -94,6 +101,8 @@ class ReplicaServer:
         Seeds the server-side compressor (and, in the Flower strategy, node sampling).
     min_replies : int
         Accepted replies needed to apply a round's update (fewer: the round is skipped).
+    fp32_min_numel, fp32_logits, fp32_warmup_rounds
+        TernGrad's fp32 exemptions (:mod:`fedddl.sync.exemptions`), both directions.
 
     Attributes
     ----------
@@ -121,6 +130,9 @@ class ReplicaServer:
         update_log_size: int = 8,
         seed: int = 0,
         min_replies: int = 1,
+        fp32_min_numel: int = 0,
+        fp32_logits: bool = False,
+        fp32_warmup_rounds: int = 0,
     ) -> None:
         if downlink not in DOWNLINKS:
             raise ValueError(
@@ -128,6 +140,8 @@ class ReplicaServer:
             )
         if min_replies < 1:
             raise ValueError(f"min_replies must be >= 1, got {min_replies}")
+        if fp32_warmup_rounds < 0:
+            raise ValueError(f"fp32_warmup_rounds must be >= 0, got {fp32_warmup_rounds}")
         self._compressor_arg = compressor
         self.clip_sigma = clip_sigma
         self.downlink = downlink
@@ -137,6 +151,12 @@ class ReplicaServer:
         build_compressor(self.compressor_name(), seed=0, clip_sigma=clip_sigma)  # validates
         self.shadow = Replica(model_fn(), learning_rate, momentum, version=0)
         self.param_names = [n for n, p in self.shadow.model.named_parameters() if p.requires_grad]
+        self.dense = exempt_parameters(
+            self.shadow.model, min_numel=fp32_min_numel, logits=fp32_logits
+        )
+        self.fp32_warmup_rounds = fp32_warmup_rounds
+        self._scratch: dict[str, torch.Tensor] | None = None
+        self._round = 0
         self.log = UpdateLog(update_log_size)
         self.fingerprints: OrderedDict[int, str] = OrderedDict({0: self.shadow.fingerprint()})
         self.nodes = NodeBook()
@@ -201,17 +221,23 @@ class ReplicaServer:
         :func:`~fedddl.compression.downlink.decode_broadcast`.
         """
         if aggregate.code_sums is not None and self.shared_scales is not None:
+            ternary = [n for n in self.param_names if n not in self.dense]
             scales = dict(zip(self.param_names, self.shared_scales.tolist(), strict=True))
-            shapes = {n: tuple(aggregate.gradient[n].shape) for n in self.param_names}
-            sums = {n: aggregate.code_sums[n] for n in self.param_names}
+            sums = {n: aggregate.code_sums[n] for n in ternary}
+            shapes = {n: tuple(aggregate.gradient[n].shape) for n in ternary}
             count = len(aggregate.contributors)
-            return encode_shared_sum(sums, scales, shapes, count), "shared-scale-sum"
+            exact = encode_shared_sum(sums, {n: scales[n] for n in ternary}, shapes, count)
+            dense = {n: aggregate.gradient[n] for n in self.param_names if n in self.dense}
+            return encode_bundle(exact, dense), "shared-scale-sum"
         compressor = build_compressor(
-            self.compressor_name(),
+            self.compressor_for(server_round),
             seed=derive_seed(self.seed, server_round, 1 << 40),
             clip_sigma=self.clip_sigma,
         )
-        return encode_reencoded(aggregate.gradient, compressor, self.server_memory), "encoded"
+        payload = encode_reencoded(
+            aggregate.gradient, compressor, self.server_memory, dense=self.dense
+        )
+        return payload, "encoded"
 
     # ------------------------------------------------------------------ rounds
     @property
@@ -219,9 +245,16 @@ class ReplicaServer:
         """The report of the latest aggregated round."""
         return self.reports[-1] if self.reports else None
 
-    def wants_shared_sum(self) -> bool:
+    def compressor_for(self, server_round: int) -> str:
+        """The uplink compressor of (global) round ``server_round``: fp32 during warm-up."""
+        if server_round <= self.fp32_warmup_rounds:
+            return WARMUP_COMPRESSOR
+        return self.compressor_name()
+
+    def wants_shared_sum(self, server_round: int) -> bool:
         """Whether clients report local scales for the ``shared-scale-sum`` downlink."""
-        return self.downlink == "shared-scale-sum" and is_ternary(self.compressor_name())
+        name = self.compressor_for(server_round)
+        return self.downlink == "shared-scale-sum" and is_ternary(name)
 
     def plan_round(self, server_round: int, nodes: Iterable[int]) -> dict[int, TrainInstruction]:
         """Return the instruction of every node of this (global) round.
@@ -232,12 +265,13 @@ class ReplicaServer:
         current = self.shadow.version
         snapshot: dict[str, torch.Tensor] | None = None
         shared: dict[tuple[str, int, bool], TrainInstruction] = {}
-        want_scales = self.wants_shared_sum()
+        want_scales = self.wants_shared_sum(server_round)
+        compressor = self.compressor_for(server_round)
         plan: dict[int, TrainInstruction] = {}
         for node in nodes:
             known = self.nodes.known_version(node)
             catch_up = plan_catch_up(known, current, self.log)
-            tell = self.nodes.needs_compressor(node) or catch_up.kind == "snapshot"
+            tell = self.nodes.needs_compressor(node, compressor) or catch_up.kind == "snapshot"
             key = (catch_up.kind, known if catch_up.kind == "log" else -2, tell)
             instruction = shared.get(key)
             if instruction is None:
@@ -249,12 +283,12 @@ class ReplicaServer:
                     updates=catch_up.updates,
                     snapshot=snapshot if catch_up.kind == "snapshot" else None,
                     snapshot_version=current if catch_up.kind == "snapshot" else -1,
-                    compressor=self.compressor_name() if tell else None,
+                    compressor=compressor if tell else None,
                     scales=self.shared_scales if want_scales else None,
                     want_scales=want_scales,
                 )
                 shared[key] = instruction
-            self.nodes.sent(node, current)
+            self.nodes.sent(node, current, compressor)
             plan[node] = instruction
         return plan
 
@@ -266,6 +300,7 @@ class ReplicaServer:
         report = RoundReport(server_round)
         screened = [r for r in (self._screen(item, report) for item in replies) if r is not None]
         self.nodes.end_round()
+        self._round = server_round
         aggregate = self.aggregate_gradients(self._decoded(screened, report))
         report.accepted = sorted(r.node_id for r in aggregate.contributors)
         if aggregate.contributors:
@@ -318,14 +353,20 @@ class ReplicaServer:
         return item
 
     def _decoded(self, screened: list[ClientReply], report: RoundReport) -> Iterator[Contribution]:
-        """Decode each screened reply into one reused buffer; drop those that do not decode."""
+        """Decode each screened reply into one reused buffer; drop those that do not decode.
+
+        Server memory therefore stays flat in the number of clients: the encoded replies,
+        one fp32 decode buffer and the aggregation's accumulator.
+        """
+        scratch = self._decode_buffers()
         for reply in screened:
-            assert reply.payload is not None
             try:
                 try:
-                    gradient = decode_update(reply.payload)
-                    check_update(self.shadow.model, gradient)
-                except (PayloadError, ReplicaError) as err:
+                    statistics = self._statistics_of(reply)
+                    assert reply.payload is not None
+                    decode_update(reply.payload, out=scratch)
+                    check_update(self.shadow.model, scratch)
+                except (PayloadError, ReplicaError, StatisticsError) as err:
                     raise PayloadRejected(f"node {reply.node_id} payload rejected: {err}") from err
                 except Exception as err:  # a decoder bug on hostile input must not end the round
                     raise PayloadRejected(
@@ -334,7 +375,29 @@ class ReplicaServer:
             except PayloadRejected as err:
                 self._drop(report, reply.node_id, err)
                 continue
-            yield Contribution(reply, gradient)
+            yield Contribution(reply, scratch, statistics)
+
+    def _decode_buffers(self) -> dict[str, torch.Tensor]:
+        """One float32 CPU buffer per trainable parameter, reused by every reply and round."""
+        if self._scratch is None:
+            self._scratch = {
+                n: torch.zeros(p.shape, dtype=torch.float32)
+                for n, p in self.shadow.model.named_parameters()
+                if p.requires_grad
+            }
+        return self._scratch
+
+    def _statistics_of(self, reply: ClientReply) -> dict[str, torch.Tensor] | None:
+        """The reply's BatchNorm statistics, checked against the model (None: no BatchNorm)."""
+        if not batchnorm_layers(self.shadow.model):
+            if reply.statistics is not None:
+                raise StatisticsError("the model has no BatchNorm layer but statistics came")
+            return None
+        if reply.statistics is None:
+            raise StatisticsError("the model has BatchNorm layers but no statistics came")
+        statistics = decode_update(reply.statistics)
+        check_statistics(self.shadow.model, statistics)
+        return statistics
 
     def _drop(self, report: RoundReport, node: int, error: ReplyError) -> None:
         report.dropped[node] = str(error)
@@ -344,19 +407,25 @@ class ReplicaServer:
 
     def _apply(self, server_round: int, aggregate: Aggregate, report: RoundReport) -> None:
         payload, report.downlink_format = self.encode_downlink(server_round, aggregate)
-        update = decode_broadcast(payload)  # exactly what every client will apply
-        self.shadow.apply_update(update, self.shadow.version + 1)
+        if aggregate.statistics:
+            payload = encode_bundle(payload, statistics=aggregate.statistics)
+        update, statistics = decode_broadcast_parts(payload)  # what every client will apply
+        self.shadow.apply_update(update, self.shadow.version + 1, statistics)
         self.log.append(self.shadow.version, payload)
         self.fingerprints[self.shadow.version] = self.shadow.fingerprint()
         while len(self.fingerprints) > max(64, 2 * len(self.log) + 2):
             self.fingerprints.popitem(last=False)
-        if self.wants_shared_sum():
+        if self.wants_shared_sum(server_round + 1):
             self._update_shared_scales(aggregate.contributors)
+        else:
+            self.shared_scales = None
 
     def _code_scales(self) -> dict[str, float] | None:
-        if not self.wants_shared_sum() or self.shared_scales is None:
+        """The shared scales of the ternary-coded tensors, when the shared sum applies."""
+        if not self.wants_shared_sum(self._round) or self.shared_scales is None:
             return None
-        return dict(zip(self.param_names, self.shared_scales.tolist(), strict=True))
+        pairs = zip(self.param_names, self.shared_scales.tolist(), strict=True)
+        return {n: s for n, s in pairs if n not in self.dense}
 
     def _update_shared_scales(self, contributors: list[ClientReply]) -> None:
         reported = [r.scales for r in contributors if r.scales is not None]

@@ -2,12 +2,13 @@
 
 Per instruction (:func:`run_instruction`): bring the replica to the requested version
 (load the server's snapshot, or build the seeded model, then apply the missed broadcast
-updates in version order with the shared optimiser), compute the (pseudo-)gradient of
-``local-steps`` minibatches on the shard, encode it with the uplink compressor (error
-feedback and scaler sharing through :mod:`fedddl.compression`) and answer with payload,
-fingerprint and version. A client that cannot reach the requested version answers
-``resync`` with the version it holds (-1: none), and the server sends a log catch-up or
-a snapshot next time.
+updates in version order with the shared optimiser, BatchNorm statistics included),
+compute the (pseudo-)gradient of ``local-steps`` minibatches on the shard and the
+BatchNorm input statistics, encode the gradient with the uplink compressor (error
+feedback, scaler sharing and fp32 exemptions through :mod:`fedddl.compression`) and
+answer with payload, statistics, fingerprint and version. A client that cannot reach
+the requested version answers ``resync`` with the version it holds (-1: none), and the
+server sends a log catch-up or a snapshot next time.
 """
 
 from __future__ import annotations
@@ -21,15 +22,18 @@ from torch import nn
 
 from fedddl.app_config import AppConfig
 from fedddl.compression import (
+    IdentityCompressor,
     PayloadError,
     ResidualMemory,
     encode_update,
     local_scales,
     make_compressor,
 )
-from fedddl.compression.downlink import decode_broadcast
+from fedddl.compression.downlink import decode_broadcast_parts
 from fedddl.replica import Replica, ReplicaError
+from fedddl.running_stats import record_batch_statistics
 from fedddl.seeding import derive_seed
+from fedddl.sync.exemptions import exempt_parameters
 from fedddl.sync.messages import ClientReply, TrainInstruction, fingerprint_prefix
 from fedddl.training import iterate_minibatches, local_sgd, named_gradients
 
@@ -48,11 +52,19 @@ class WorkerState:
         The uplink compressor name, once the server has told it.
     memory : ResidualMemory
         Error-feedback residuals of the uplink (empty unless ``error-feedback``).
+    journal : list[tuple[int, bytes]]
+        The encoded broadcast updates applied since ``saved_version``, oldest first: with
+        the snapshot saved at that version they rebuild the replica exactly.
+    saved_version : int | None
+        Version of the last full snapshot written to durable state (None: none that this
+        replica descends from, e.g. after loading a server snapshot).
     """
 
     replica: Replica | None = None
     compressor: str | None = None
     memory: ResidualMemory = field(default_factory=ResidualMemory)
+    journal: list[tuple[int, bytes]] = field(default_factory=list)
+    saved_version: int | None = None
 
 
 def compute_pseudo_gradient(
@@ -64,11 +76,17 @@ def compute_pseudo_gradient(
     local_steps: int,
     learning_rate: float,
     seed: int,
-) -> tuple[dict[str, torch.Tensor], float, int]:
-    """Return ``(pseudo-gradient, mean loss, examples used)``; ``model`` is left unchanged.
+) -> tuple[dict[str, torch.Tensor], float, int, dict[str, torch.Tensor]]:
+    """Return ``(pseudo-gradient, mean loss, examples used, BatchNorm statistics)``.
 
-    One step: the minibatch gradient at the replica. ``K`` steps: plain SGD on a copy,
-    and the sum of the K gradients along the way, i.e. ``(w_0 - w_K) / lr``.
+    ``model`` is left unchanged, BatchNorm buffers included.
+
+    One step: the minibatch gradient at the replica. ``K`` steps ("local gradient
+    averaging"): plain SGD with ``learning_rate`` on a copy, and the mean of the K
+    gradients along the way, i.e. ``(w_0 - w_K) / (K·lr)``; the server then applies its
+    momentum SGD step to the average of these as to one gradient, so the size of a round's
+    step does not grow with K. The statistics are the per-channel input mean and variance
+    of every BatchNorm layer over all K minibatches (:mod:`fedddl.running_stats`).
     """
     generator = torch.Generator().manual_seed(seed)
     batches = iterate_minibatches(x, y, min(batch_size, x.shape[0]), generator)
@@ -84,13 +102,16 @@ def compute_pseudo_gradient(
         grads = named_gradients(work)
         total.update(grads if not total else {k: total[k] + grads[k] for k in total})
 
-    loss, examples = local_sgd(work, batches, local_steps, optimizer, on_gradient=collect)
+    with record_batch_statistics(work) as recorder:
+        loss, examples = local_sgd(work, batches, local_steps, optimizer, on_gradient=collect)
     work.zero_grad(set_to_none=True)
-    if work is model:  # the replica's buffers (e.g. BatchNorm) change only via updates
+    if work is model:  # the replica's buffers change only through broadcast updates
         with torch.no_grad():
             for k, b in model.named_buffers():
                 b.copy_(buffers[k])
-    return total, loss, examples
+    if local_steps > 1:
+        total = {k: g / local_steps for k, g in total.items()}
+    return total, loss, examples, recorder.result()
 
 
 def reach_version(
@@ -103,23 +124,38 @@ def reach_version(
     if instruction.snapshot is not None:
         fresh = Replica(model_fn(), cfg.learning_rate, cfg.momentum, version=0)
         fresh.load_snapshot(instruction.snapshot, instruction.snapshot_version)
-        state.replica = fresh
+        state.replica, state.journal, state.saved_version = fresh, [], None
     elif state.replica is None:
         first = instruction.updates[0][0] if instruction.updates else instruction.model_version + 1
         if first != 1:
             return None
         state.replica = Replica(model_fn(), cfg.learning_rate, cfg.momentum, version=0)
+        state.journal, state.saved_version = [], None
     replica = state.replica
+    buffers = _device_buffers(replica)
     for version, payload in instruction.updates:
         if version <= replica.version:
             continue
         if version != replica.version + 1:
             break
         try:
-            replica.apply_update(decode_broadcast(payload), version)
+            update, statistics = decode_broadcast_parts(payload, out=buffers)
+            replica.apply_update(update, version, statistics)
         except (PayloadError, ReplicaError):
             break
+        state.journal.append((version, payload))
     return replica if replica.version == instruction.model_version else None
+
+
+def _device_buffers(replica: Replica) -> dict[str, torch.Tensor] | None:
+    """Float32 decode buffers on the replica's device when it is not the CPU (else None).
+
+    Broadcasts then decode on the device: only the packed bytes cross from the host.
+    """
+    params = [(n, p) for n, p in replica.model.named_parameters() if p.requires_grad]
+    if not params or params[0][1].device.type == "cpu":
+        return None
+    return {n: torch.empty(p.shape, dtype=torch.float32, device=p.device) for n, p in params}
 
 
 def run_instruction(
@@ -135,7 +171,8 @@ def run_instruction(
     """Follow one instruction and return the reply (see the module docstring).
 
     ``state`` is updated in place (replica, compressor, residuals). ``shard`` returns the
-    client's ``(x, y)``; it is called only when a gradient is computed.
+    client's ``(x, y)``; it is called only when a gradient is computed. ``model_fn``
+    builds the seeded model on the run's device.
     """
     if instruction.compressor is not None:
         state.compressor = instruction.compressor
@@ -144,7 +181,7 @@ def run_instruction(
         version = -1 if state.replica is None or state.compressor is None else state.replica.version
         return ClientReply.resync_request(node_id, version)
     x, y = shard()
-    grads, loss, examples = compute_pseudo_gradient(
+    grads, loss, examples, statistics = compute_pseudo_gradient(
         replica.model,
         x,
         y,
@@ -158,16 +195,18 @@ def run_instruction(
         seed=derive_seed(cfg.seed, partition_id, instruction.server_round, 5),
         clip_sigma=cfg.clip_sigma,
     )
+    dense = exempt_parameters(replica.model, min_numel=cfg.fp32_min_numel, logits=cfg.fp32_logits)
     memory = state.memory if cfg.error_feedback else None
     mine = None
     if instruction.want_scales:
-        found = local_scales(grads, compressor, memory)
+        ternary = {k: g for k, g in grads.items() if k not in dense}
+        found = local_scales(ternary, compressor, memory)
         mine = torch.tensor([found.get(k, 0.0) for k in grads], dtype=torch.float32)
     shared = None
     if instruction.scales is not None and instruction.scales.numel() == len(grads):
         pairs = zip(grads, instruction.scales.tolist(), strict=True)
-        shared = {k: s for k, s in pairs if s > 0}
-    payload = encode_update(grads, compressor, memory, scales=shared, clamp=True)
+        shared = {k: s for k, s in pairs if s > 0 and k not in dense}
+    payload = encode_update(grads, compressor, memory, scales=shared, clamp=True, dense=dense)
     return ClientReply(
         node_id=node_id,
         model_version=replica.version,
@@ -176,4 +215,5 @@ def run_instruction(
         num_examples=examples,
         loss=loss,
         scales=mine,
+        statistics=encode_update(statistics, IdentityCompressor()) if statistics else None,
     )

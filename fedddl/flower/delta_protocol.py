@@ -1,0 +1,288 @@
+"""Ternary model deltas in Flower messages: every record and key of ``ternary_mod`` and
+``TernaryDelta``, once.
+
+Both sides import this module: the client mod (:mod:`fedddl.flower.delta_mod`) and the
+strategy wrapper (:mod:`fedddl.flower.ternary_delta`). They add compression to any Flower
+app whose messages carry the model as an :class:`~flwr.app.ArrayRecord` (e.g. FedAvg's
+``"arrays"``); every other record passes through untouched.
+
+The *broadcast model* is what the clients hold: the server moves it towards each new
+global model by one ternary-encoded delta (with server-side error feedback), so every
+client that applied the same deltas holds it bit for bit, and the server checks that
+with a digest. Float arrays are compressed; other arrays (integer buffers) travel exact.
+
+Server → client, in a message that carries the model:
+
+* ``"fedddl.ternary"`` :class:`~flwr.app.ConfigRecord` (:data:`META`): ``record`` (name of
+  the model ArrayRecord), ``names`` (its array names, in order), ``version`` (the
+  broadcast version the client must hold), ``base`` (-1: the model record holds the whole
+  model; else the version the updates start from), ``digest`` (of the broadcast float
+  arrays at ``version``), and the uplink settings ``compressor``, ``clip-sigma``,
+  ``error-feedback``, ``seed``.
+* the model record: every array when ``base = -1``; otherwise only the non-float ones.
+* ``"fedddl.ternary.updates"`` :class:`~flwr.app.ArrayRecord` (:data:`UPDATES`, when
+  ``base >= 0``): ``"v<k>"`` → the encoded delta (``fedddl.compression`` wire format) that
+  makes version ``k`` from ``k - 1``, for ``k = base + 1 .. version``.
+
+Client → server reply (from a client running the mod):
+
+* :data:`META` ConfigRecord: ``version`` (the broadcast version it holds); when the reply's
+  model travels compressed, also ``record`` and ``names``.
+* ``"fedddl.ternary.delta"`` ArrayRecord (:data:`DELTA`): ``"delta"`` → the encoded
+  difference between the reply's float arrays and the broadcast model; the reply's model
+  record keeps only its non-float arrays.
+
+A message without :data:`META` is not compressed and passes through unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+__all__ = [
+    "DELTA",
+    "DELTA_KEY",
+    "META",
+    "UPDATES",
+    "Broadcast",
+    "ReplyMeta",
+    "SplitModel",
+    "digest",
+    "join_model",
+    "max_payload_bytes",
+    "parse_broadcast",
+    "parse_reply_meta",
+    "same_layout",
+    "split_model",
+    "update_key",
+]
+
+META = "fedddl.ternary"
+UPDATES = "fedddl.ternary.updates"
+DELTA = "fedddl.ternary.delta"
+DELTA_KEY = "delta"
+_FLOAT_DTYPES = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
+
+
+def update_key(version: int) -> str:
+    """Key of the update that makes broadcast version ``version`` in :data:`UPDATES`."""
+    return f"v{version}"
+
+
+@dataclass
+class SplitModel:
+    """A model ArrayRecord split into float tensors (compressed) and other Arrays (exact)."""
+
+    names: list[str]
+    floats: dict[str, torch.Tensor]
+    others: dict[str, Array]
+
+
+def _dtype_of(name: str, array: Array) -> str:
+    if not isinstance(array, Array):
+        raise ValueError(f"array {name!r} is a {type(array).__name__}, not a flwr Array")
+    try:
+        return str(np.dtype(array.dtype))
+    except TypeError as err:
+        raise ValueError(f"array {name!r} has an unknown dtype {array.dtype!r}") from err
+
+
+def split_model(record: ArrayRecord) -> SplitModel:
+    """Split ``record`` into float tensors (own memory) and the other Arrays, in order.
+
+    Raises
+    ------
+    ValueError
+        If an Array cannot be read.
+    """
+    names: list[str] = []
+    floats: dict[str, torch.Tensor] = {}
+    others: dict[str, Array] = {}
+    for name, array in record.items():
+        names.append(name)
+        dtype = _dtype_of(name, array)
+        if dtype not in _FLOAT_DTYPES:
+            others[name] = array
+            continue
+        try:
+            values = np.array(array.numpy(), copy=True)
+        except Exception as err:  # a malformed Array: whatever numpy raises
+            raise ValueError(f"array {name!r} cannot be read: {err}") from err
+        if values.dtype != np.dtype(dtype) or tuple(values.shape) != tuple(array.shape):
+            raise ValueError(f"array {name!r} does not hold its declared dtype and shape")
+        floats[name] = torch.from_numpy(values)
+    return SplitModel(names, floats, others)
+
+
+def join_model(
+    names: list[str], floats: Mapping[str, torch.Tensor], others: Mapping[str, Array]
+) -> ArrayRecord:
+    """The model ArrayRecord of ``names``: float tensors and other Arrays, in that order."""
+    arrays: dict[str, Array] = {}
+    for name in names:
+        if name in floats:
+            arrays[name] = Array(floats[name].detach().cpu().contiguous().numpy())
+        else:
+            arrays[name] = others[name]
+    return ArrayRecord(arrays)  # type: ignore[arg-type]
+
+
+def same_layout(a: ArrayRecord, b: ArrayRecord) -> bool:
+    """Whether two ArrayRecords have the same names (in order), dtypes and shapes."""
+    if list(a.keys()) != list(b.keys()):
+        return False
+    for name in a:
+        x, y = a[name], b[name]
+        if not isinstance(x, Array) or not isinstance(y, Array):
+            return False
+        if x.dtype != y.dtype or tuple(x.shape) != tuple(y.shape):
+            return False
+    return True
+
+
+def digest(floats: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 (first 128 bits, hex) of names, dtypes, shapes and values, in order."""
+    h = hashlib.sha256()
+    for name, tensor in floats.items():
+        t = tensor.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:32]
+
+
+def max_payload_bytes(floats: Mapping[str, torch.Tensor]) -> int:
+    """Largest plausible encoded delta of ``floats``: dense float64 plus headers."""
+    values = sum(int(t.numel()) for t in floats.values())
+    return 8 * values + 64 * len(floats) + sum(len(n.encode()) for n in floats) + 1024
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    """The :data:`META` record of a server → client message."""
+
+    record: str
+    names: list[str]
+    version: int
+    base: int
+    digest: str
+    compressor: str
+    clip_sigma: float
+    error_feedback: bool
+    seed: int
+
+    def to_record(self) -> ConfigRecord:
+        """As the :data:`META` ConfigRecord."""
+        return ConfigRecord(
+            {
+                "record": self.record,
+                "names": list(self.names),
+                "version": self.version,
+                "base": self.base,
+                "digest": self.digest,
+                "compressor": self.compressor,
+                "clip-sigma": self.clip_sigma,
+                "error-feedback": self.error_feedback,
+                "seed": self.seed,
+            }
+        )
+
+
+def _get(meta: ConfigRecord, key: str, kind: type | tuple[type, ...]) -> object:
+    value = meta.get(key)
+    if isinstance(value, bool) and kind is not bool:
+        raise ValueError(f"{META} key {key!r} must be {_kind_name(kind)}, got {value!r}")
+    if not isinstance(value, kind):
+        raise ValueError(f"{META} key {key!r} must be {_kind_name(kind)}, got {value!r}")
+    return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(k.__name__ for k in kinds)
+
+
+def _names(meta: ConfigRecord) -> list[str]:
+    names = meta.get("names")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{META} key 'names' must be a list of strings")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{META} key 'names' repeats a name")
+    return [str(n) for n in names]
+
+
+def _meta(content: RecordDict) -> ConfigRecord:
+    meta = content.get(META)
+    if not isinstance(meta, ConfigRecord):
+        raise ValueError(f"record {META!r} is a {type(meta).__name__}, not a ConfigRecord")
+    return meta
+
+
+def parse_broadcast(content: RecordDict) -> Broadcast:
+    """Read and check the :data:`META` record of a server → client message.
+
+    Raises
+    ------
+    ValueError
+        Naming the missing or malformed key.
+    """
+    meta = _meta(content)
+    broadcast = Broadcast(
+        record=str(_get(meta, "record", str)),
+        names=_names(meta),
+        version=int(_get(meta, "version", int)),  # type: ignore[call-overload]
+        base=int(_get(meta, "base", int)),  # type: ignore[call-overload]
+        digest=str(_get(meta, "digest", str)),
+        compressor=str(_get(meta, "compressor", str)),
+        clip_sigma=float(_get(meta, "clip-sigma", (int, float))),  # type: ignore[arg-type]
+        error_feedback=bool(_get(meta, "error-feedback", bool)),
+        seed=int(_get(meta, "seed", int)),  # type: ignore[call-overload]
+    )
+    if broadcast.version < 1 or not -1 <= broadcast.base <= broadcast.version:
+        raise ValueError(
+            f"{META}: version {broadcast.version} / base {broadcast.base} are inconsistent"
+        )
+    if not (math.isfinite(broadcast.clip_sigma) and broadcast.clip_sigma > 0):
+        raise ValueError(f"{META}: clip-sigma must be > 0, got {broadcast.clip_sigma}")
+    if not isinstance(content.get(broadcast.record), ArrayRecord):
+        raise ValueError(f"the message has no model ArrayRecord {broadcast.record!r}")
+    return broadcast
+
+
+@dataclass(frozen=True)
+class ReplyMeta:
+    """The :data:`META` record of a reply: the version held, and what was compressed."""
+
+    version: int
+    record: str | None = None
+    names: list[str] | None = None
+
+    def to_record(self) -> ConfigRecord:
+        """As the :data:`META` ConfigRecord."""
+        out = ConfigRecord({"version": self.version})
+        if self.record is not None and self.names is not None:
+            out["record"] = self.record
+            out["names"] = list(self.names)
+        return out
+
+
+def parse_reply_meta(content: RecordDict) -> ReplyMeta:
+    """Read and check the :data:`META` record of a reply.
+
+    Raises
+    ------
+    ValueError
+        Naming the missing or malformed key.
+    """
+    meta = _meta(content)
+    version = int(_get(meta, "version", int))  # type: ignore[call-overload]
+    if "record" not in meta:
+        return ReplyMeta(version)
+    record = str(_get(meta, "record", str))
+    return ReplyMeta(version, record, _names(meta))

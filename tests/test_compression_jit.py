@@ -1,0 +1,131 @@
+"""The compiled kernels (numba) against the numpy code: bit-identical results.
+
+Whether numba is installed, or used, must never change a message or a decoded value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from fedddl.compression import (
+    TernaryCompressor,
+    TernaryEntropyCompressor,
+    decode_update,
+    encode_update,
+    jit,
+)
+from fedddl.compression.packing import unpack_codes_batch, unpack_codes_new
+from fedddl.compression.ternarize import CHUNK, RandomBits, ternarize_stochastic_batch
+
+pytestmark = pytest.mark.skipif(not jit.available(), reason="numba is not installed")
+
+
+@pytest.fixture()
+def restore_jit() -> Iterator[None]:
+    yield
+    jit.set_jit(None)
+
+
+def _kernels() -> object:
+    module = jit.jit_kernels(1 << 30)
+    assert module is not None
+    return module
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2**63 + 5])
+@pytest.mark.parametrize("offset", [0, 4, 4 * 12345])
+def test_pcg_kernel_is_numpys_pcg64dxsm(seed: int, offset: int) -> None:
+    bits = RandomBits(seed)
+    state = bits.state_at(offset)
+    out = np.empty(1001, dtype=np.uint64)
+    _kernels().pcg64dxsm_words(state, out)  # type: ignore[attr-defined]
+    expected_generator = bits.fork(offset)
+    np.testing.assert_array_equal(out, expected_generator.random_raw(1001))
+    # the state was advanced past the words drawn
+    again = np.empty(3, dtype=np.uint64)
+    _kernels().pcg64dxsm_words(state, again)  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(again, expected_generator.random_raw(3))
+
+
+def _batch(rng: np.random.Generator) -> list[torch.Tensor]:
+    sizes = [1, 3, 19, 20, 21, 4001, CHUNK, CHUNK + 1, 2 * CHUNK + 13, 7]
+    arrays = [rng.standard_normal(n).astype(np.float32) * rng.uniform(1e-3, 1e3) for n in sizes]
+    arrays[2][:5] = [0.0, -0.0, 1e-30, -1e-30, 0.0]  # zeros of both signs, denormal-ish
+    return [torch.from_numpy(a) for a in arrays]
+
+
+@pytest.mark.parametrize("codec", ["2bit", "base3"])
+def test_ternarize_kernel_matches_numpy(threads: int, codec: str, restore_jit: None) -> None:
+    flats = _batch(np.random.default_rng(threads))
+    peaks = [float(np.float32(f.abs().max())) for f in flats]
+    # no clipping, a clip bound well inside (values overflow to the limit), a shared scale
+    scales = [p if k % 3 else 2 * p for k, p in enumerate(peaks)]
+    bounds = [None if k % 2 else p * 1e-3 for k, p in enumerate(peaks)]
+    results = {}
+    for mode in (False, True):
+        jit.set_jit(mode)
+        bits = RandomBits(11)
+        bits.skip(8)
+        packed = ternarize_stochastic_batch(flats, scales, bounds, bits, codec)
+        results[mode] = ([p.numpy().copy() for p in packed], bits.fork(0).random_raw(2))
+    for ours, numpys in zip(results[True][0], results[False][0], strict=True):
+        np.testing.assert_array_equal(ours, numpys)
+    np.testing.assert_array_equal(results[True][1], results[False][1])  # same stream position
+
+
+@pytest.mark.parametrize("codec", ["2bit", "base3"])
+def test_unpack_kernel_matches_numpy(threads: int, codec: str, restore_jit: None) -> None:
+    del threads
+    rng = np.random.default_rng(3)
+    per = 4 if codec == "2bit" else 5
+    items = []
+    for numel in (1, 9, 5 * 4 * (1 << 16) + 3, 123457):
+        packed = rng.integers(0, 256, -(-numel // per), dtype=np.uint8)  # invalid codes too
+        items.append((torch.from_numpy(packed), numel, float(rng.uniform(0.1, 3)), codec))
+    decoded = {}
+    for mode in (False, True):
+        jit.set_jit(mode)
+        fresh = unpack_codes_new(items)
+        buffers = [torch.full((numel,), 7.0) for _, numel, _, _ in items]
+        unpack_codes_batch([(*item, buffer) for item, buffer in zip(items, buffers, strict=True)])
+        decoded[mode] = (fresh, buffers)
+    for ours, numpys in zip(decoded[True], decoded[False], strict=True):
+        for a, b in zip(ours, numpys, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "compressor",
+    [
+        lambda: TernaryCompressor(seed=4),
+        lambda: TernaryCompressor(seed=4, codec="base3", clip_sigma=None),
+        lambda: TernaryEntropyCompressor(seed=4),
+    ],
+)
+def test_messages_do_not_depend_on_the_kernels(compressor: object, restore_jit: None) -> None:
+    generator = torch.Generator().manual_seed(0)
+    update = {
+        "conv": torch.randn(64, 32, 3, 3, generator=generator),
+        "fc": torch.randn(3 * CHUNK + 11, generator=generator),
+        "bias": torch.randn(10, generator=generator),
+    }
+    messages, decoded = {}, {}
+    for mode in (False, True):
+        jit.set_jit(mode)
+        messages[mode] = encode_update(update, compressor())  # type: ignore[operator]
+        decoded[mode] = decode_update(messages[mode])
+    assert messages[True] == messages[False]
+    for name in update:
+        assert torch.equal(decoded[True][name], decoded[False][name])
+
+
+def test_small_calls_stay_on_numpy(restore_jit: None) -> None:
+    jit.set_jit(None)
+    assert jit.jit_kernels(jit.MIN_NUMEL - 1) is None
+    assert jit.jit_kernels(jit.MIN_NUMEL) is not None
+    jit.set_jit(False)
+    assert jit.jit_kernels(1 << 30) is None
