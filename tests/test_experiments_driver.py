@@ -224,3 +224,16 @@ def test_compressed_gossip_summary_reads_the_runs(quick_suite: Path) -> None:
     assert len(ratios) == 2  # one per network
     # Quick runs are tiny, but every compressed message is still far below fp32.
     assert all(float(line.split("model bytes ")[1].split("x")[0]) > 5 for line in ratios), ratios
+
+
+def test_variants_are_selected_by_label_or_by_group_and_label() -> None:
+    driver = load_script("run_experiments")
+    spec = driver.load_experiment("compressed_gossip", dataset="digits", quick=True)
+    one = driver._select(spec, ["heterogeneous/scheduled", "homogeneous/random"])
+    assert [(v.group, v.label) for v in one.variants] == [
+        ("homogeneous", "random"), ("heterogeneous", "scheduled")]
+    both = driver._select(spec, ["scheduled"])
+    assert [(v.group, v.label) for v in both.variants] == [
+        ("homogeneous", "scheduled"), ("heterogeneous", "scheduled")]
+    with pytest.raises(ValueError, match="no variant"):
+        driver._select(spec, ["lan/scheduled"])
