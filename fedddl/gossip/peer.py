@@ -46,14 +46,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", default="", help="ID=HOST:PORT,... (else wait for peers.json)")
     p.add_argument("--state-dir", default="", help="folder for node/peers/metrics JSON files")
     p.add_argument("--metrics-path", default="", help="metrics JSON (default <state-dir>/metrics)")
-    p.add_argument("--dataset", default="digits")
-    p.add_argument("--data-root", default="")
-    p.add_argument("--partition", default="stratified")
-    p.add_argument("--arch", default="")
+    p.add_argument("--dataset", default="digits", help="dataset of every node (default: digits)")
+    p.add_argument("--data-root", default="",
+                   help="dataset directory (default: the standard place)")
+    p.add_argument("--partition", default="stratified",
+                   help="how the dataset is split into shards (default: stratified)")
+    p.add_argument("--arch", default="",
+                   help="model architecture (default: the dataset's own model)")
     p.add_argument("--seed", type=int, default=0, help="model init and data seed")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--learning-rate", type=float, default=0.1)
+    p.add_argument("--steps", type=int, default=300,
+                   help="local SGD steps, then the node finishes (default: 300)")
+    p.add_argument("--batch-size", type=int, default=32, help="batch size (default: 32)")
+    p.add_argument("--learning-rate", type=float, default=0.1,
+                   help="SGD learning rate (default: 0.1)")
     p.add_argument("--scheduler", default="scheduled", help="scheduled | random")
     p.add_argument("--merge", default="average", help="average | version (uncompressed only)")
     p.add_argument("--compressor", default="",
@@ -68,16 +73,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest step a received model clock may be ahead of the highest seen")
     p.add_argument("--max-abs-weight", type=float, default=1000.0,
                    help="largest absolute weight a received model may hold")
-    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--eval-every", type=int, default=25,
+                   help="evaluate every this many steps (default: 25)")
     p.add_argument("--min-step-s", type=float, default=0.0, help="pace steps (emulate slow CPU)")
-    p.add_argument("--send-timeout-s", type=float, default=2.0)
+    p.add_argument("--send-timeout-s", type=float, default=2.0,
+                   help="deadline of one send, in seconds (default: 2.0)")
     p.add_argument("--shaper", default="", help="link delays: '*=LAT_S[/BW_BPS],ID=...'")
-    p.add_argument("--max-frame-bytes", type=int, default=64 * 1024 * 1024)
-    p.add_argument("--peers-timeout-s", type=float, default=120.0)
-    p.add_argument("--linger-s", type=float, default=1.0)
-    p.add_argument("--metrics-interval-s", type=float, default=0.5)
-    p.add_argument("--max-lifetime-s", type=float, default=900.0)
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--max-frame-bytes", type=int, default=64 * 1024 * 1024,
+                   help="largest frame accepted or sent (default: 64 MiB)")
+    p.add_argument("--peers-timeout-s", type=float, default=120.0,
+                   help="how long to wait for the peer list, in seconds (default: 120)")
+    p.add_argument("--linger-s", type=float, default=1.0,
+                   help="keep serving this long after finishing, in seconds (default: 1.0)")
+    p.add_argument("--metrics-interval-s", type=float, default=0.5,
+                   help="write the metrics file this often, in seconds (default: 0.5)")
+    p.add_argument("--max-lifetime-s", type=float, default=900.0,
+                   help="stop training after this many seconds, finished or not (default: 900)")
+    p.add_argument("--log-level", default="WARNING",
+                   help="logging level (default: WARNING)")
     return p
 
 
