@@ -177,8 +177,10 @@ def check_report(out: Path) -> None:
         _png_ok(out / f"{png}.png")
         assert f"]({png}.png)" in report
     manifest = json.loads((out / "manifest.json").read_text())
-    rows = [line for line in report.splitlines() if line.startswith("| ")]
+    sections = {part.split("\n", 1)[0]: part for part in report.split("\n## ")[1:]}
     for exp in manifest["experiments"].values():
+        # Rows of this experiment's own section: two gossip experiments share labels.
+        rows = [line for line in sections[exp["title"]].splitlines() if line.startswith("| ")]
         for v in exp["variants"]:
             cells = [v["group"], v["label"]] if exp["tool"] == "gossip" else [v["label"]]
             prefix = "| " + " | ".join(cells) + f" | {len(exp['seeds'])} |"
