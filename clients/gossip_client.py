@@ -20,6 +20,13 @@ Node config keys (``--node-config`` of a SuperNode, all optional):
 ``gossip-state-dir``
     Where its files live; default ``<run dir>/node-<gossip id>`` with the run
     dir from the coordinator or ``$TMPDIR/fedddl-gossip/run-<run id>``.
+``gossip-tls-dir``
+    This machine's TLS folder for the peer (``ca.crt`` and ``node-<id>.pem`` /
+    ``.key``); it replaces the run config's ``gossip-tls-dir`` and
+    ``gossip-insecure``, so each machine needs only its own node's key.
+``gossip-id``
+    The gossip id this node must get (the one its certificate names); the
+    coordinator asks for it (``hello``) before it hands out ids.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from fedddl.gossip.peer_launcher import (
 from fedddl.gossip.peer_protocol import (
     METRICS_RECORD,
     NUMERIC_METRICS,
+    OP_HELLO,
     OP_PEERS,
     OP_START,
     OP_STOP,
@@ -68,6 +76,11 @@ def handle_gossip(msg: Message, context: Context) -> Message:
     try:
         if op not in OPS:
             raise ValueError(f"unknown gossip op {op!r}; expected one of {OPS}")
+        if op == OP_HELLO:
+            pinned = context.node_config.get("gossip-id", -1)
+            if isinstance(pinned, bool) or not isinstance(pinned, int) or pinned < -1:
+                raise ValueError(f"node config gossip-id must be an int >= 0, got {pinned!r}")
+            return _reply(msg, {"status": "ok", "pinned-id": pinned})
         gossip_id = _int(request, "gossip-id")
         state_dir = node_state_dir(context, str(request.get("run-dir", "")), gossip_id)
         if op == OP_START:
@@ -102,6 +115,9 @@ def _start(
     options = json.loads(str(request.get("peer-options", "{}")))
     if not isinstance(options, dict):
         raise ValueError("peer-options must be a JSON object")
+    tls_dir = context.node_config.get("gossip-tls-dir")
+    if tls_dir:  # this machine's own TLS folder
+        options = {**options, "tls-dir": str(tls_dir), "insecure": False}
     args = peer_cli_args(
         gossip_id,
         _int(request, "num-nodes"),
@@ -134,7 +150,10 @@ def _reply(msg: Message, fields: dict[str, Any], metrics: dict[str, Any] | None 
         numbers["finished"] = int(bool(metrics.get("finished")))
         numbers["exited"] = int(bool(metrics.get("exited")))
         numbers["alive"] = int(bool(metrics.get("alive")))
+        numbers["secure"] = int(bool(metrics.get("secure")))
         reply["received-from"] = json.dumps(metrics.get("received_from", {}), sort_keys=True)
+        reply["rejections"] = json.dumps(metrics.get("rejections", {}), sort_keys=True)
+        reply["compressor"] = str(metrics.get("compressor") or "")
         reply["exit-reason"] = str(metrics.get("exit_reason"))
         reply["address"] = str(metrics.get("address", ""))
     content[REPLY_RECORD] = ConfigRecord(reply)

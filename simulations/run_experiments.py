@@ -2,7 +2,8 @@
 
 Usage::
 
-    python simulations/run_experiments.py --experiment {sharding,ternary,gossip,all} \\
+    python simulations/run_experiments.py \\
+        --experiment {sharding,ternary,gossip,compressed_gossip,all} \\
         --seeds 0 1 2 --dataset digits --out results/ [--data-root R] [--quick] [--resume]
 
 Each experiment is a TOML file in ``simulations/experiments/`` (see
@@ -40,7 +41,7 @@ __all__ = [
     "EXPERIMENTS", "build_parser", "hardware_description", "main", "parse_only", "run_suite",
 ]
 
-EXPERIMENTS: tuple[str, ...] = ("sharding", "ternary", "gossip")
+EXPERIMENTS: tuple[str, ...] = ("sharding", "ternary", "gossip", "compressed_gossip")
 
 Runner = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -134,15 +135,24 @@ def _previous_experiments(out: Path, dataset: str, quick: bool) -> dict[str, Any
 
 
 def _select(spec: ExperimentSpec, labels: list[str] | None) -> ExperimentSpec:
-    """``spec`` restricted to the variants labelled ``labels`` (all when None)."""
+    """``spec`` restricted to the variants named in ``labels`` (all when None).
+
+    A name is a variant's ``LABEL`` (that label in every group) or ``GROUP/LABEL``
+    (that label in one group only, e.g. ``heterogeneous/scheduled``).
+    """
     if labels is None:
         return spec
-    known = {v.label for v in spec.variants}
+
+    def names(variant: VariantSpec) -> set[str]:
+        return {variant.label, f"{variant.group}/{variant.label}"} if variant.group else {
+            variant.label}
+
+    known = set().union(*(names(v) for v in spec.variants))
     unknown = sorted(set(labels) - known)
     if unknown:
         raise ValueError(f"experiment {spec.name!r} has no variant {unknown}; "
                          f"known: {sorted(known)}")
-    return dataclasses.replace(spec, variants=[v for v in spec.variants if v.label in labels])
+    return dataclasses.replace(spec, variants=[v for v in spec.variants if names(v) & set(labels)])
 
 
 def parse_only(items: Sequence[str]) -> dict[str, list[str]]:
@@ -271,7 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true", help="keep finished run files")
     parser.add_argument("--no-report", action="store_true", help="skip report.md / PNGs")
     parser.add_argument("--variants", nargs="+", default=[], metavar="EXPERIMENT:LABEL",
-                        help="run only these variants of the named experiments")
+                        help="run only these variants of the named experiments; LABEL is a "
+                             "variant's label, or GROUP/LABEL for that label in one group "
+                             "only (default: every variant)")
     parser.add_argument("--print-commands", action="store_true",
                         help="print the equivalent fedddl command lines and exit")
     return parser

@@ -2,14 +2,22 @@
 
 ``run_gossip(grid, context, config)`` is the ServerApp logic of gossip mode:
 
-1. wait for ``num_nodes`` Flower nodes and give them gossip ids 0..N-1 (sorted
-   Flower node ids);
+1. wait for ``num_nodes`` Flower nodes and give them gossip ids 0..N-1: a node
+   whose node config pins one (``gossip-id``, the id its TLS certificate
+   names) gets it; the others get the remaining ids in the order of their
+   Flower node ids (``hello``);
 2. ``start``: every node's handler spawns its peer process and replies with the
    address it serves on;
 3. ``peers``: every node gets the full address list; peers start training and
    exchange models with each other over gRPC;
-4. ``status`` polls until every peer finished (or exited, or the timeout);
-5. ``stop``: peers are stopped (also on error) and their final metrics collected.
+4. ``status`` polls until every peer finished (or exited, or the timeout). A
+   node that fails a poll -- its SuperNode is gone (Flower answers with an
+   error), or ``lost_after_polls`` polls in a row got no reply within
+   ``status_timeout_s`` -- is *lost*: it is recorded in
+   :attr:`GossipResult.lost` and no longer waited for, and the others finish
+   (their peers back off from the dead peer after a send timeout or two);
+5. ``stop``: the remaining peers are stopped (also on error) and their final
+   metrics collected.
 
 Every message either way is a few hundred bytes (:attr:`GossipResult.max_message_bytes`).
 """
@@ -17,14 +25,15 @@ Every message either way is a few hundred bytes (:attr:`GossipResult.max_message
 from __future__ import annotations
 
 import json
-import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any
 
 from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.common.logger import log
 from flwr.common.serde import recorddict_to_proto
 from flwr.serverapp import Grid
 
@@ -33,6 +42,7 @@ from fedddl.gossip.peer_launcher import PEER_OPTIONS
 from fedddl.gossip.peer_protocol import (
     MESSAGE_TYPE,
     METRICS_RECORD,
+    OP_HELLO,
     OP_PEERS,
     OP_START,
     OP_STATUS,
@@ -42,8 +52,6 @@ from fedddl.gossip.peer_protocol import (
 )
 
 __all__ = ["GossipConfig", "GossipError", "GossipResult", "run_gossip"]
-
-_log = logging.getLogger(__name__)
 
 
 class GossipError(RuntimeError):
@@ -66,6 +74,10 @@ class GossipConfig:
         Deadlines for nodes to connect, peers to start, training to finish.
     poll_interval_s : float
         Seconds between status polls.
+    status_timeout_s : float
+        Deadline of one status poll.
+    lost_after_polls : int
+        Polls in a row without a reply after which a node counts as lost.
     message_timeout_s : float
         Deadline of each round of messages.
     results_path : str
@@ -79,6 +91,8 @@ class GossipConfig:
     startup_timeout_s: float = 120.0
     run_timeout_s: float = 600.0
     poll_interval_s: float = 1.0
+    status_timeout_s: float = 30.0
+    lost_after_polls: int = 3
     message_timeout_s: float = 180.0
     results_path: str = ""
 
@@ -93,7 +107,9 @@ class GossipConfig:
             "startup_timeout_s",
             "run_timeout_s",
             "poll_interval_s",
+            "status_timeout_s",
             "message_timeout_s",
+            "lost_after_polls",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"GossipConfig.{name} must be > 0, got {getattr(self, name)}")
@@ -102,7 +118,8 @@ class GossipConfig:
     def from_run_config(cls, run_config: Mapping[str, Any]) -> GossipConfig:
         """Build from a Flower run config: ``gossip-nodes``, ``gossip-run-dir``,
         ``gossip-run-timeout-s``, ``results-path`` and ``gossip-<peer option>``
-        (e.g. ``gossip-steps``, ``gossip-scheduler``, ``gossip-shaper``)."""
+        (e.g. ``gossip-steps``, ``gossip-scheduler``, ``gossip-tls-dir``,
+        ``gossip-insecure``, ``gossip-compressor``)."""
         options = {
             key: run_config[f"gossip-{key}"]
             for key in PEER_OPTIONS
@@ -128,6 +145,7 @@ class GossipResult:
     total_message_bytes: int = 0
     max_message_bytes: int = 0
     array_records_seen: int = 0  # model tensors in any coordinator message: must stay 0
+    lost: dict[int, str] = field(default_factory=dict)  # gossip id -> why it was given up
     phase_s: dict[str, float] = field(default_factory=dict)  # seconds spent per phase
     wall_s: float = 0.0
 
@@ -174,6 +192,27 @@ def _fields(reply: Message | None, node: int, op: str) -> tuple[dict[str, Any], 
     return config, dict(reply.content.metric_records.get(METRICS_RECORD, {}))
 
 
+def _assign_ids(channel: _Channel, node_ids: list[int]) -> dict[int, int]:
+    """Gossip id of each Flower node: its pinned one, else the next free one in order."""
+    replies = channel.request(
+        OP_HELLO, {f: {} for f in node_ids}, channel.config.message_timeout_s
+    )
+    pins: dict[int, int] = {}
+    for flower_id in node_ids:
+        fields, _ = _fields(replies.get(flower_id), flower_id, OP_HELLO)
+        pinned = int(fields.get("pinned-id", -1))
+        if pinned < 0:
+            continue
+        if pinned >= len(node_ids) or pinned in pins.values():
+            raise GossipError(
+                f"Flower node {flower_id} pins gossip id {pinned}, which is out of range "
+                f"0..{len(node_ids) - 1} or pinned twice ({pins})"
+            )
+        pins[flower_id] = pinned
+    free = iter(sorted(set(range(len(node_ids))) - set(pins.values())))
+    return {f: pins[f] if f in pins else next(free) for f in node_ids}
+
+
 def _wait_for_nodes(grid: Grid, count: int, timeout_s: float) -> list[int]:
     deadline = time.monotonic() + timeout_s
     while len(node_ids := sorted(grid.get_node_ids())) < count:
@@ -193,9 +232,10 @@ def run_gossip(grid: Grid, context: Context, config: GossipConfig) -> GossipResu
     """
     began = time.monotonic()
     node_ids = _wait_for_nodes(grid, config.num_nodes, config.node_wait_s)
-    gossip_ids = {flower_id: index for index, flower_id in enumerate(node_ids)}
-    result = GossipResult({}, {g: f for f, g in gossip_ids.items()}, {})
+    result = GossipResult({}, {}, {})
     channel = _Channel(grid, result, config)
+    gossip_ids = _assign_ids(channel, node_ids)
+    result.flower_node_ids = {g: f for f, g in gossip_ids.items()}
 
     def per_node(**fields: Any) -> dict[int, dict[str, Any]]:
         base = {"run-dir": config.run_dir} if config.run_dir else {}
@@ -236,15 +276,17 @@ def run_gossip(grid: Grid, context: Context, config: GossipConfig) -> GossipResu
                     )
                 time.sleep(min(config.poll_interval_s, 0.5))
         mark = phase("start_peers", mark)
-        _log.info("gossip peers up: %s", result.addresses)
+        log(INFO, "gossip peers up: %s", result.addresses)
         peers = format_peers(result.addresses)
         collect(
             OP_PEERS, channel.request(OP_PEERS, per_node(peers=peers), config.message_timeout_s)
         )
-        _poll_until_done(channel, per_node(), collect, config)
+        log(INFO, "gossip training: every peer has its peer list; polling status")
+        _poll_until_done(channel, per_node(), gossip_ids, result)
         mark = phase("train", mark)
     finally:
-        _stop_all(channel, per_node(), gossip_ids, result)
+        live = {f: fields for f, fields in per_node().items() if gossip_ids[f] not in result.lost}
+        _stop_all(channel, live, gossip_ids, result)
         phase("stop", mark)
     result.wall_s = time.monotonic() - began
     if config.results_path:
@@ -260,29 +302,55 @@ def _stop_all(
 ) -> None:
     final = channel.request(OP_STOP, requests, channel.config.message_timeout_s)
     for flower_id, gossip_id in gossip_ids.items():
+        if flower_id not in requests:
+            continue
         try:
             fields, numbers = _fields(final.get(flower_id), gossip_id, OP_STOP)
         except GossipError as exc:  # keep stopping the others
-            _log.error("%s", exc)
+            log(ERROR, "%s", exc)
             continue
         fields["received-from"] = json.loads(str(fields.get("received-from", "{}")))
+        fields["rejections"] = json.loads(str(fields.get("rejections", "{}")))
         result.metrics[gossip_id] = {**fields, **numbers}
 
 
 def _poll_until_done(
     channel: _Channel,
     requests: dict[int, dict[str, Any]],
-    collect: Any,
-    config: GossipConfig,
+    gossip_ids: Mapping[int, int],
+    result: GossipResult,
 ) -> None:
+    config = channel.config
     deadline = time.monotonic() + config.run_timeout_s
+    missed: dict[int, int] = {}
     while True:
-        statuses: Iterable[tuple[dict[str, Any], dict[str, Any]]] = collect(
-            OP_STATUS, channel.request(OP_STATUS, requests, config.message_timeout_s)
-        ).values()
-        if all(n.get("finished") or n.get("exited") or not n.get("alive") for _, n in statuses):
-            return
+        live = {f: r for f, r in requests.items() if gossip_ids[f] not in result.lost}
+        replies = channel.request(OP_STATUS, live, config.status_timeout_s)
+        statuses: list[dict[str, Any]] = []
+        waiting = False  # a node missed this poll but is not lost yet
+        for flower_id in live:
+            gossip_id = gossip_ids[flower_id]
+            reply = replies.get(flower_id)
+            try:
+                _, numbers = _fields(reply, gossip_id, OP_STATUS)
+            except GossipError as exc:
+                gone = reply is not None and reply.has_error()  # Flower: node unavailable
+                missed[flower_id] = missed.get(flower_id, 0) + 1
+                if gone or missed[flower_id] >= config.lost_after_polls:
+                    result.lost[gossip_id] = str(exc)
+                    log(WARNING, "gossip node %d lost: %s", gossip_id, exc)
+                else:
+                    waiting = True
+                continue
+            missed[flower_id] = 0
+            statuses.append(numbers)
+        done = all(n.get("finished") or n.get("exited") or not n.get("alive") for n in statuses)
+        if done and not waiting:
+            if len(result.lost) < len(requests):
+                return
+            raise GossipError("every gossip node was lost")
         if time.monotonic() > deadline:
-            _log.warning("gossip run timed out after %.0f s; stopping peers", config.run_timeout_s)
+            log(WARNING, "gossip run timed out after %.0f s; stopping peers",
+                config.run_timeout_s)
             return
         time.sleep(config.poll_interval_s)

@@ -60,3 +60,10 @@ def test_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     out = " ".join(capsys.readouterr().out.split())
     assert "simulated duration, in virtual seconds (default: 60.0)" in out
     assert "--continue-after-target" in out
+
+
+def test_every_gossip_peer_option_has_help() -> None:
+    from fedddl.gossip.peer import build_parser as peer_parser
+
+    for action in _options(peer_parser()):
+        assert action.help and action.help != argparse.SUPPRESS, action.option_strings

@@ -123,8 +123,8 @@ def _run_quick_suite(out: Path, *, full: bool) -> Path:
         assert driver.main(["--experiment", "all", "--quick", "--seeds", *seeds,
                             "--out", str(out)]) == 0
         return out
-    assert driver.main(["--experiment", "gossip", "--quick", "--seeds", *seeds,
-                        "--out", str(out), "--no-report"]) == 0
+    assert driver.main(["--experiment", "gossip", "compressed_gossip", "--quick", "--seeds",
+                        *seeds, "--out", str(out), "--no-report"]) == 0
     assert driver.main(["--experiment", "sharding", "ternary", "--quick", "--seeds", "0",
                         "--variants", "sharding:stratified", "ternary:terngrad",
                         "--out", str(out)]) == 0
@@ -142,12 +142,12 @@ def check_result_files(out: Path) -> None:
     spec_mod = load_script("experiment_spec")
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["quick"] is True
-    assert set(manifest["experiments"]) == {"sharding", "ternary", "gossip"}
+    assert set(manifest["experiments"]) == {"sharding", "ternary", "gossip", "compressed_gossip"}
     for name, exp in manifest["experiments"].items():
         spec = spec_mod.load_experiment(name, quick=True)
         labels = [v.label for v in spec.variants]
         assert exp["variants"] and all(v["label"] in labels for v in exp["variants"])
-        if name == "gossip":
+        if name in ("gossip", "compressed_gossip"):
             assert len(exp["variants"]) == len(labels) and exp["seeds"] == list(SEEDS)
         for variant in exp["variants"]:
             assert [r["seed"] for r in variant["runs"]] == exp["seeds"]
@@ -161,6 +161,8 @@ def check_result_files(out: Path) -> None:
                     assert result["curve"], "gossip curve is empty"
                     assert all(0.0 <= acc <= 1.0 for _, acc in result["curve"])
                     assert result["bytes_total"] > 0 and result["messages"] > 0
+                    compressor = variant["config"].get("compressor", "")
+                    assert result["compressor"] == (compressor or None)
                 if name == "sharding":
                     shards = json.loads((out / run["shards"]).read_text())
                     assert len(shards["shards"]) == variant["config"]["num-clients"]
@@ -170,12 +172,15 @@ def check_result_files(out: Path) -> None:
 def check_report(out: Path) -> None:
     """PNGs are valid and small, and report.md has one table row per configuration."""
     report = (out / "report.md").read_text()
-    for png in ("sharding_accuracy", "sharding_shards", "ternary_accuracy", "gossip_accuracy"):
+    for png in ("sharding_accuracy", "sharding_shards", "ternary_accuracy", "gossip_accuracy",
+                "compressed_gossip_accuracy"):
         _png_ok(out / f"{png}.png")
         assert f"]({png}.png)" in report
     manifest = json.loads((out / "manifest.json").read_text())
-    rows = [line for line in report.splitlines() if line.startswith("| ")]
+    sections = {part.split("\n", 1)[0]: part for part in report.split("\n## ")[1:]}
     for exp in manifest["experiments"].values():
+        # Rows of this experiment's own section: two gossip experiments share labels.
+        rows = [line for line in sections[exp["title"]].splitlines() if line.startswith("| ")]
         for v in exp["variants"]:
             cells = [v["group"], v["label"]] if exp["tool"] == "gossip" else [v["label"]]
             prefix = "| " + " | ".join(cells) + f" | {len(exp['seeds'])} |"
@@ -209,3 +214,28 @@ def test_full_quick_suite_every_variant(tmp_path: Path) -> None:
     out = _run_quick_suite(tmp_path, full=True)
     check_result_files(out)
     check_report(out)
+
+
+def test_compressed_gossip_summary_reads_the_runs(quick_suite: Path) -> None:
+    lines = load_script("compressed_gossip_summary").summarize(quick_suite)
+    manifest = json.loads((quick_suite / "manifest.json").read_text())
+    variants = manifest["experiments"]["compressed_gossip"]["variants"]
+    assert sum(line.startswith(("homogeneous ", "heterogeneous ")) for line in lines) == len(
+        variants)
+    ratios = [line for line in lines if "fp32/compressed bytes total" in line]
+    assert len(ratios) == 2  # one per network
+    # Quick runs are tiny, but every compressed message is still far below fp32.
+    assert all(float(line.split("model bytes ")[1].split("x")[0]) > 5 for line in ratios), ratios
+
+
+def test_variants_are_selected_by_label_or_by_group_and_label() -> None:
+    driver = load_script("run_experiments")
+    spec = driver.load_experiment("compressed_gossip", dataset="digits", quick=True)
+    one = driver._select(spec, ["heterogeneous/scheduled", "homogeneous/random"])
+    assert [(v.group, v.label) for v in one.variants] == [
+        ("homogeneous", "random"), ("heterogeneous", "scheduled")]
+    both = driver._select(spec, ["scheduled"])
+    assert [(v.group, v.label) for v in both.variants] == [
+        ("homogeneous", "scheduled"), ("heterogeneous", "scheduled")]
+    with pytest.raises(ValueError, match="no variant"):
+        driver._select(spec, ["lan/scheduled"])

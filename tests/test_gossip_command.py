@@ -62,6 +62,22 @@ def test_bad_compute_time_is_rejected(capsys: pytest.CaptureFixture[str]) -> Non
     assert "--compute-time-s" in capsys.readouterr().err
 
 
+def test_compressor_option_sends_compressed_differences(tmp_path: Path) -> None:
+    out = tmp_path / "c.json"
+    argv = ["gossip", "--nodes", "4", "--max-virtual-time", "1", "--compressor", "ternary-base3",
+            "--consensus-step", "0.3", "--quiet", "--out", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["compressor"] == "ternary-base3"
+    assert result["config"]["consensus_step"] == 0.3
+    assert 0 < result["message_bytes_mean"] < result["model_bytes"] / 12
+
+
+def test_unknown_compressor_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["gossip", "--nodes", "4", "--compressor", "zip"]) == 2
+    assert "unknown compressor 'zip'" in capsys.readouterr().err
+
+
 def test_stops_at_target_unless_told_to_continue(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -67,7 +67,7 @@ def _apps(config: GossipConfig, results: list[GossipResult]) -> tuple[ServerApp,
 def test_gossip_nodes_train_peer_to_peer_under_flower(run_dir: Path) -> None:
     config = GossipConfig(
         num_nodes=NUM_NODES,
-        peer_options={"steps": STEPS, "min-step-s": 0.01, "scheduler": "random",
+        peer_options={"insecure": True, "steps": STEPS, "min-step-s": 0.01, "scheduler": "random",
                       "eval-every": 50, "send-timeout-s": 1.0, "max-lifetime-s": 300.0,
                       "peers-timeout-s": 240.0},
         run_dir=str(run_dir),
@@ -120,6 +120,17 @@ def _request(op: str, **fields: Any) -> Message:
     return Message(content=content, dst_node_id=1, message_type="query.gossip")
 
 
+@pytest.fixture()
+def task_identity() -> None:
+    """Flower's Message constructor reads the process' task identity (set by a runtime)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for attr in ("_run_id", "_task_id", "_node_id"):
+        if getattr(TaskIdentity, attr) is None:
+            setattr(TaskIdentity, attr, 1)
+
+
+@pytest.mark.usefixtures("task_identity")
 def test_handler_reports_bad_requests_without_spawning(tmp_path: Path) -> None:
     context = Context(run_id=1, node_id=1, node_config={"gossip-state-dir": str(tmp_path / "s")},
                       state=RecordDict(), run_config={})
@@ -134,11 +145,27 @@ def test_handler_reports_bad_requests_without_spawning(tmp_path: Path) -> None:
         reply = handle_gossip(msg, context).content.config_records[REPLY_RECORD]
         assert reply["status"] == "error" and reason in str(reply["error"]), reply
     assert not (tmp_path / "s" / "spawned.json").exists()
+    # hello: the pinned gossip id of the node config, -1 without one; a bad pin is an error.
+    assert handle_gossip(_request("hello"), context).content.config_records[REPLY_RECORD][
+        "pinned-id"] == -1
+    context.node_config["gossip-id"] = 2
+    assert handle_gossip(_request("hello"), context).content.config_records[REPLY_RECORD][
+        "pinned-id"] == 2
+    context.node_config["gossip-id"] = "two"
+    reply = handle_gossip(_request("hello"), context).content.config_records[REPLY_RECORD]
+    assert reply["status"] == "error" and "gossip-id must be" in str(reply["error"])
 
 
 def test_peer_options_are_type_checked() -> None:
     args = peer_cli_args(1, 3, "127.0.0.1:0", "", {"steps": 5, "learning-rate": 1})
     assert args[-4:] == ["--learning-rate", "1", "--steps", "5"]
+    # Flags appear when true; empty strings mean "not set" (run-config defaults).
+    args = peer_cli_args(1, 3, "127.0.0.1:0", "", {"insecure": True, "tls-dir": "",
+                                                   "compressor": "ternary-base3"})
+    assert args[-3:] == ["--compressor", "ternary-base3", "--insecure"] and "--tls-dir" not in args
+    assert "--insecure" not in peer_cli_args(1, 3, "127.0.0.1:0", "", {"insecure": False})
+    with pytest.raises(ValueError, match="must be bool"):
+        peer_cli_args(1, 3, "127.0.0.1:0", "", {"insecure": "yes"})
     with pytest.raises(ValueError, match="must be int"):
         peer_cli_args(1, 3, "127.0.0.1:0", "", {"steps": "5; rm -rf"})
     with pytest.raises(ValueError, match="unknown peer options"):

@@ -125,3 +125,31 @@ def test_network_size_mismatch_is_reported(tmp_path: Path) -> None:
     path.write_text(json.dumps(NetworkModel.homogeneous(3).to_dict()))
     with pytest.raises(ValueError, match="describes 3 nodes, but 4"):
         _run(network=str(path), max_virtual_time_s=1.0)
+
+
+def test_compressed_gossip_learns_with_a_tenth_of_the_bytes() -> None:
+    common = {"scheduler": "scheduled", "network": "heterogeneous", "nodes": 8,
+              "max_virtual_time_s": 4.0, "seed": 1}
+    plain = _run(**common)
+    compressed = _run(compressor="ternary-base3", **common)
+    assert compressed["compressor"] == "ternary-base3" and compressed["key_frames"] == 0
+    # Messages are the real encoded differences (ternary base-3 codes, plus 4 bytes per gain).
+    assert compressed["message_bytes_mean"] < plain["model_bytes"] / 12
+    assert compressed["model_bytes_total"] * 10 < plain["model_bytes_total"]
+    assert compressed["bytes_total"] == (
+        compressed["model_bytes_total"] + compressed["status_bytes_total"])
+    assert compressed["final_accuracy"] > max(0.7, plain["final_accuracy"] - 0.05)
+    again = _run(compressor="ternary-base3", **common)
+    assert again["curve"] == compressed["curve"]
+    assert again["bytes_total"] == compressed["bytes_total"]
+
+
+def test_compressed_messages_take_their_own_transfer_time(slow_net: str) -> None:
+    common = {"scheduler": "random", "network": slow_net, "overlap": True,
+              "max_virtual_time_s": 4.0}
+    plain = _run(**common)
+    compressed = _run(compressor="ternary-base3", **common)
+    # fp32: 0.3 s + 19.4 kB / 100 kB/s = 0.49 s per message; compressed: 0.3 s + 1.1 kB
+    # / 100 kB/s = 0.31 s, so a node's uplink is free again sooner and it sends more often.
+    assert plain["messages"] <= 4 * 4 / 0.49
+    assert compressed["messages"] >= 1.4 * plain["messages"]

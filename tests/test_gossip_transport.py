@@ -110,7 +110,16 @@ def test_bad_frames_get_an_error_status_and_leave_the_model_untouched(
     metrics = receiver.metrics()
     assert metrics["received"] == 0 and metrics["merged"] == 0
     assert sum(metrics["rejected"].values()) == len(cases) - 1  # gRPC itself refuses the last
-    assert "rejected frame" in caplog.text and "checksum mismatch" in caplog.text
+    # Counted per peer and reason: claimed senders for well-formed frames, else the host.
+    rejections = metrics["rejections"]
+    assert rejections["node 1"] == {"model-mismatch": 3, "non-finite": 1}
+    assert rejections["node 7"] == {"unknown-sender": 1}
+    assert rejections["ipv4:127.0.0.1"] == {"malformed": 3, "oversized": 1, "claims-me": 1}
+    # Logged once per (peer, reason): the checksum failure is the second 'malformed' frame
+    # of the same host, so it is only counted.
+    lines = [r.getMessage() for r in caplog.records if "rejected frame" in r.getMessage()]
+    assert len(lines) == 6, lines
+    assert not any("checksum" in line for line in lines)
 
     # The same service does accept and merge a good frame: the checks above could fail.
     assert _raw_send(receiver.server.address, good)[0] == grpc.StatusCode.OK
@@ -120,7 +129,7 @@ def test_bad_frames_get_an_error_status_and_leave_the_model_untouched(
 
 
 def test_shaper_delay_shows_in_transfer_time_and_estimator_learns_it() -> None:
-    server = PeerServer(lambda data: b"ack", max_frame_bytes=MAX_FRAME)
+    server = PeerServer(lambda data, caller: b"ack", max_frame_bytes=MAX_FRAME)
     server.start()
     shaper = LinkShaper(per_peer={1: LinkDelay(latency_s=0.08, bandwidth_Bps=1e6)})
     slow = PeerClient(1, server.address, shaper)
@@ -176,7 +185,7 @@ def test_scheduled_node_learns_a_slow_link_and_prefers_the_fast_one() -> None:
 
 
 def test_unreachable_peer_fails_with_transport_error_quickly() -> None:
-    server = PeerServer(lambda data: b"", bind="127.0.0.1:0")
+    server = PeerServer(lambda data, caller: b"", bind="127.0.0.1:0")
     port = server.port  # bound but never started: connections are refused
     client = PeerClient(5, f"127.0.0.1:{port}")
     start = time.perf_counter()

@@ -1,4 +1,4 @@
-"""``fedddl deploy certs OUT_DIR``: TLS certificates and SuperNode keys for a deployment."""
+"""``fedddl deploy certs OUT_DIR``: TLS certificates, SuperNode keys, gossip peer certificates."""
 
 from __future__ import annotations
 
@@ -25,6 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "uses); repeatable (default: only those two)")
     certs.add_argument("--supernodes", type=int, default=0, metavar="N",
                        help="also write N SuperNode key pairs supernode-0 ... supernode-N-1")
+    certs.add_argument("--gossip-peers", type=int, default=0, metavar="N",
+                       help="also issue N gossip peer certificates (node ids 0 ... N-1) from "
+                            "the same CA into OUT_DIR/gossip, for the peers' --tls-dir "
+                            "(default: 0, none)")
     certs.add_argument("--valid-days", type=int, default=365,
                        help="validity of the certificates, in days")
 
@@ -35,13 +39,15 @@ def run(args: argparse.Namespace) -> int:
 
     from fedddl.deploy.certs import DEFAULT_HOSTS, write_supernode_keys, write_tls_material
 
-    if args.supernodes < 0:
-        print("--supernodes must be >= 0")
+    if args.supernodes < 0 or args.gossip_peers < 0:
+        print("--supernodes and --gossip-peers must be >= 0")
         return 2
     out = Path(args.out_dir)
     # dict.fromkeys: de-duplicate, keep order (the first name is the subject CN).
     hosts = list(dict.fromkeys([*(args.hosts or []), *DEFAULT_HOSTS]))
-    tls = write_tls_material(out, hosts, valid_days=args.valid_days)
+    tls = write_tls_material(
+        out, hosts, valid_days=args.valid_days, gossip_peers=args.gossip_peers
+    )
     names = [f"supernode-{i}" for i in range(args.supernodes)]
     keys = write_supernode_keys(out / "supernode-keys", names) if names else []
     print(f"wrote {tls.ca_certificate}, {tls.server_certificate}, {tls.server_private_key}")
@@ -51,4 +57,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{pair.name}: flwr supernode register {pair.public_key} <connection>")
         print(f"    flower-supernode --root-certificates {tls.ca_certificate} "
               f"--auth-supernode-private-key {pair.private_key} ...")
+    if tls.gossip_dir is not None:
+        print(f"gossip peers 0..{args.gossip_peers - 1}: {tls.gossip_dir}/node-<id>.pem/.key; "
+              f"copy ca.crt and its own pair to each machine, then "
+              f"python -m fedddl.gossip.peer --tls-dir DIR ...")
     return 0

@@ -129,6 +129,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--selection", default="proportional", choices=("proportional", "fastest"),
         help="scheduled: probability ~ 1/estimated time, or the fastest enabled peer",
     )
+    parser.add_argument(
+        "--compressor", default="",
+        help="send compressed model differences (CHOCO-style public copies) with this "
+             "registered compressor, e.g. ternary-base3 (default: whole fp32 models)",
+    )
+    parser.add_argument(
+        "--consensus-step", type=float, default=0.25,
+        help="with --compressor: step of the CHOCO edge updates, replaces --merge-weight "
+             "(default: 0.25)",
+    )
     parser.add_argument("--out", default=None, help="result JSON file (default: stdout)")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
@@ -164,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
             merge_weight=args.merge_weight,
             stop_at_target=not args.continue_after_target,
             selection=args.selection,
+            compressor=args.compressor,
+            consensus_step=args.consensus_step,
         )
         if args.quiet:
             result = run_gossip(config)

@@ -12,6 +12,15 @@ Flower 1.42 needs three kinds of key material for a secured deployment:
   ``flwr supernode register KEY.pub`` on a SuperLink started with
   ``--enable-supernode-auth``.
 
+Gossip peers (``python -m fedddl.gossip.peer --tls-dir DIR``) talk to each
+other with mutual TLS: :func:`write_tls_material` with ``gossip_peers=N`` also
+issues, from the same CA, one certificate per gossip node id, whose subject
+common name and only DNS name are ``gossip-node-<id>``
+(:func:`fedddl.gossip.tls.peer_name`). It is both a server and a client
+certificate: a peer serves with it, dials with it, and its peers read its node
+id from it. The CA's private key is not written anywhere, so nobody can issue
+further peer certificates from this CA later.
+
 Everything is generated with :mod:`cryptography`; private keys are written
 with mode ``0600``.
 """
@@ -32,6 +41,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 __all__ = [
     "DEFAULT_HOSTS",
+    "GOSSIP_DIR",
     "SuperNodeKeyPaths",
     "TlsPaths",
     "generate_supernode_key",
@@ -46,6 +56,11 @@ DEFAULT_HOSTS: tuple[str, ...] = ("127.0.0.1", "localhost")
 # P-384 is what Flower's docs use for SuperNode keys; any NIST curve is accepted.
 _SUPERNODE_CURVE = ec.SECP384R1()
 _TLS_CURVE = ec.SECP256R1()
+#: Subfolder of ``write_tls_material``'s output with the gossip peers' material.
+GOSSIP_DIR = "gossip"
+# Kept in step with fedddl.gossip.tls.peer_name (the core must not import the gossip
+# peer's gRPC stack just to name a certificate).
+_GOSSIP_NAME_PREFIX = "gossip-node-"
 
 
 @dataclass(frozen=True)
@@ -55,6 +70,8 @@ class TlsPaths:
     ca_certificate: Path
     server_certificate: Path
     server_private_key: Path
+    #: Folder with ``ca.crt`` and ``node-<id>.pem``/``.key`` per gossip peer, if issued.
+    gossip_dir: Path | None = None
 
     def superlink_args(self) -> list[str]:
         """Return the ``flower-superlink`` arguments that enable TLS with this bundle."""
@@ -95,36 +112,27 @@ def _subject_alt_names(hosts: Sequence[str]) -> x509.SubjectAlternativeName:
     return x509.SubjectAlternativeName(names)
 
 
-def generate_tls_material(
-    hosts: Sequence[str] = DEFAULT_HOSTS,
-    *,
-    valid_days: int = 365,
-    organisation: str = "fedddl",
-) -> tuple[bytes, bytes, bytes]:
-    """Generate a self-signed CA and a server certificate signed by it.
+@dataclass(frozen=True)
+class _Authority:
+    """A CA certificate with its key, kept in memory only."""
 
-    Parameters
-    ----------
-    hosts : sequence of str
-        Host names and IP addresses the SuperLink is reached by; each becomes a
-        subjectAltName of the server certificate (clients check it).
-    valid_days : int
-        Validity of both certificates, from now.
-    organisation : str
-        Organisation name written into the certificates' subjects.
+    certificate: x509.Certificate
+    key: ec.EllipticCurvePrivateKey
+    not_before: _dt.datetime
+    not_after: _dt.datetime
 
-    Returns
-    -------
-    tuple of bytes
-        ``(ca_certificate_pem, server_certificate_pem, server_private_key_pem)``.
 
-    Raises
-    ------
-    ValueError
-        If ``hosts`` is empty or ``valid_days`` is not positive.
-    """
-    if not hosts:
-        raise ValueError("hosts must name at least one host or IP address")
+def _pem(certificate: x509.Certificate) -> bytes:
+    return certificate.public_bytes(serialization.Encoding.PEM)
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def _new_authority(valid_days: int, organisation: str) -> _Authority:
     if valid_days <= 0:
         raise ValueError(f"valid_days must be positive, got {valid_days}")
     now = _dt.datetime.now(_dt.timezone.utc)
@@ -132,7 +140,6 @@ def generate_tls_material(
     # make a fresh certificate "not yet valid".
     not_before = now - _dt.timedelta(minutes=5)
     not_after = now + _dt.timedelta(days=valid_days)
-
     ca_key = ec.generate_private_key(_TLS_CURVE)
     ca_name = x509.Name(
         [
@@ -168,43 +175,102 @@ def generate_tls_material(
         )
         .sign(ca_key, hashes.SHA256())
     )
+    return _Authority(ca_cert, ca_key, not_before, not_after)
 
-    server_key = ec.generate_private_key(_TLS_CURVE)
-    server_name = x509.Name(
+
+def _issue(
+    ca: _Authority,
+    common_name: str,
+    names: x509.SubjectAlternativeName,
+    usages: list[x509.ObjectIdentifier],
+    organisation: str,
+) -> tuple[bytes, bytes]:
+    """A leaf certificate signed by ``ca`` and its private key, both PEM."""
+    key = ec.generate_private_key(_TLS_CURVE)
+    subject = x509.Name(
         [
             x509.NameAttribute(NameOID.ORGANIZATION_NAME, organisation),
-            x509.NameAttribute(NameOID.COMMON_NAME, hosts[0]),
+            x509.NameAttribute(NameOID.COMMON_NAME, common_name),
         ]
     )
-    server_cert = (
+    certificate = (
         x509.CertificateBuilder()
-        .subject_name(server_name)
-        .issuer_name(ca_name)
-        .public_key(server_key.public_key())
+        .subject_name(subject)
+        .issuer_name(ca.certificate.subject)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(not_before)
-        .not_valid_after(not_after)
+        .not_valid_before(ca.not_before)
+        .not_valid_after(ca.not_after)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(_subject_alt_names(hosts), critical=False)
+        .add_extension(names, critical=False)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         .add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False
-        )
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()),
             critical=False,
         )
-        .sign(ca_key, hashes.SHA256())
+        .sign(ca.key, hashes.SHA256())
+    )
+    return _pem(certificate), _key_pem(key)
+
+
+def _server_certificate(
+    ca: _Authority, hosts: Sequence[str], organisation: str
+) -> tuple[bytes, bytes]:
+    if not hosts:
+        raise ValueError("hosts must name at least one host or IP address")
+    return _issue(
+        ca, hosts[0], _subject_alt_names(hosts), [ExtendedKeyUsageOID.SERVER_AUTH], organisation
     )
 
-    return (
-        ca_cert.public_bytes(serialization.Encoding.PEM),
-        server_cert.public_bytes(serialization.Encoding.PEM),
-        server_key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        ),
+
+def _gossip_peer_certificate(
+    ca: _Authority, node_id: int, organisation: str
+) -> tuple[bytes, bytes]:
+    if node_id < 0:
+        raise ValueError(f"gossip node ids are >= 0, got {node_id}")
+    name = f"{_GOSSIP_NAME_PREFIX}{node_id}"
+    return _issue(
+        ca,
+        name,
+        x509.SubjectAlternativeName([x509.DNSName(name)]),
+        [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
+        organisation,
     )
+
+
+def generate_tls_material(
+    hosts: Sequence[str] = DEFAULT_HOSTS,
+    *,
+    valid_days: int = 365,
+    organisation: str = "fedddl",
+) -> tuple[bytes, bytes, bytes]:
+    """Generate a self-signed CA and a server certificate signed by it.
+
+    Parameters
+    ----------
+    hosts : sequence of str
+        Host names and IP addresses the SuperLink is reached by; each becomes a
+        subjectAltName of the server certificate (clients check it).
+    valid_days : int
+        Validity of both certificates, from now.
+    organisation : str
+        Organisation name written into the certificates' subjects.
+
+    Returns
+    -------
+    tuple of bytes
+        ``(ca_certificate_pem, server_certificate_pem, server_private_key_pem)``.
+
+    Raises
+    ------
+    ValueError
+        If ``hosts`` is empty or ``valid_days`` is not positive.
+    """
+    if not hosts:
+        raise ValueError("hosts must name at least one host or IP address")
+    ca = _new_authority(valid_days, organisation)
+    cert_pem, key_pem = _server_certificate(ca, hosts, organisation)
+    return _pem(ca.certificate), cert_pem, key_pem
 
 
 def generate_supernode_key(comment: str = "") -> tuple[bytes, bytes]:
@@ -249,10 +315,15 @@ def write_tls_material(
     hosts: Sequence[str] = DEFAULT_HOSTS,
     *,
     valid_days: int = 365,
+    gossip_peers: int = 0,
 ) -> TlsPaths:
-    """Generate a CA + server certificate and write them to ``out_dir``.
+    """Generate a CA + server certificate (+ gossip peer certificates) into ``out_dir``.
 
-    Files: ``ca.crt``, ``server.pem`` and ``server.key`` (mode 0600).
+    Files: ``ca.crt``, ``server.pem`` and ``server.key`` (mode 0600); with
+    ``gossip_peers = N`` also ``gossip/ca.crt`` and ``gossip/node-<id>.pem`` /
+    ``gossip/node-<id>.key`` (mode 0600) for ids ``0 .. N-1``, signed by the same CA.
+    ``gossip/`` is what a peer's ``--tls-dir`` names (each machine needs ``ca.crt``
+    and its own node's pair only).
 
     Parameters
     ----------
@@ -262,23 +333,41 @@ def write_tls_material(
         Host names / IP addresses of the SuperLink (subjectAltNames).
     valid_days : int
         Validity of the certificates.
+    gossip_peers : int
+        Number of gossip peer certificates to issue.
 
     Returns
     -------
     TlsPaths
         Where the files are.
+
+    Raises
+    ------
+    ValueError
+        If ``hosts`` is empty, ``valid_days`` is not positive or ``gossip_peers < 0``.
     """
+    if gossip_peers < 0:
+        raise ValueError(f"gossip_peers must be >= 0, got {gossip_peers}")
     directory = Path(out_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    ca_pem, cert_pem, key_pem = generate_tls_material(hosts, valid_days=valid_days)
+    ca = _new_authority(valid_days, "fedddl")
+    cert_pem, key_pem = _server_certificate(ca, hosts, "fedddl")
     paths = TlsPaths(
         ca_certificate=directory / "ca.crt",
         server_certificate=directory / "server.pem",
         server_private_key=directory / "server.key",
+        gossip_dir=directory / GOSSIP_DIR if gossip_peers else None,
     )
-    paths.ca_certificate.write_bytes(ca_pem)
+    paths.ca_certificate.write_bytes(_pem(ca.certificate))
     paths.server_certificate.write_bytes(cert_pem)
     _write_private(paths.server_private_key, key_pem)
+    if paths.gossip_dir is not None:
+        paths.gossip_dir.mkdir(exist_ok=True)
+        (paths.gossip_dir / "ca.crt").write_bytes(_pem(ca.certificate))
+        for node_id in range(gossip_peers):
+            peer_cert, peer_key = _gossip_peer_certificate(ca, node_id, "fedddl")
+            (paths.gossip_dir / f"node-{node_id}.pem").write_bytes(peer_cert)
+            _write_private(paths.gossip_dir / f"node-{node_id}.key", peer_key)
     return paths
 
 

@@ -1,6 +1,8 @@
 """The long-lived gossip node process: ``python -m fedddl.gossip.peer ...``.
 
-It loads its shard, serves the gRPC peer service, waits for its peer list
+It loads its shard, serves the gRPC peer service -- with mutual TLS from
+``--tls-dir DIR`` (see :mod:`fedddl.gossip.tls`), or, with an explicit
+``--insecure``, plaintext on loopback only --, waits for its peer list
 (``--peers`` or ``<state dir>/peers.json``), trains ``--steps`` steps while
 gossiping, lingers ``--linger-s`` so late messages still get an answer, and
 exits. Metrics go to a JSON file every ``--metrics-interval-s``, at exit and on
@@ -34,34 +36,65 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-id", type=int, required=True, help="this node's gossip id (0..N-1)")
     p.add_argument("--num-nodes", type=int, required=True, help="number of nodes (shards)")
     p.add_argument("--bind", default="127.0.0.1:0", help="host:port to serve on (0 = any free)")
+    security = p.add_mutually_exclusive_group()
+    security.add_argument("--tls-dir", default="",
+                          help="mutual TLS: folder with ca.crt and node-<id>.pem/.key "
+                               "(fedddl deploy certs OUT --gossip-peers N writes OUT/gossip)")
+    security.add_argument("--insecure", action="store_true",
+                          help="no TLS: unauthenticated plaintext, loopback addresses only")
     p.add_argument("--advertise", default="", help="host:port others reach us at (default: bind)")
     p.add_argument("--peers", default="", help="ID=HOST:PORT,... (else wait for peers.json)")
     p.add_argument("--state-dir", default="", help="folder for node/peers/metrics JSON files")
     p.add_argument("--metrics-path", default="", help="metrics JSON (default <state-dir>/metrics)")
-    p.add_argument("--dataset", default="digits")
-    p.add_argument("--data-root", default="")
-    p.add_argument("--partition", default="stratified")
-    p.add_argument("--arch", default="")
+    p.add_argument("--dataset", default="digits", help="dataset of every node (default: digits)")
+    p.add_argument("--data-root", default="",
+                   help="dataset directory (default: the standard place)")
+    p.add_argument("--partition", default="stratified",
+                   help="how the dataset is split into shards (default: stratified)")
+    p.add_argument("--arch", default="",
+                   help="model architecture (default: the dataset's own model)")
     p.add_argument("--seed", type=int, default=0, help="model init and data seed")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--learning-rate", type=float, default=0.1)
+    p.add_argument("--steps", type=int, default=300,
+                   help="local SGD steps, then the node finishes (default: 300)")
+    p.add_argument("--batch-size", type=int, default=32, help="batch size (default: 32)")
+    p.add_argument("--learning-rate", type=float, default=0.1,
+                   help="SGD learning rate (default: 0.1)")
     p.add_argument("--scheduler", default="scheduled", help="scheduled | random")
-    p.add_argument("--merge", default="average", help="average | version")
-    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--merge", default="average", help="average | version (uncompressed only)")
+    p.add_argument("--compressor", default="",
+                   help="send compressed model differences (CHOCO-style public copies) with "
+                        "this registered compressor, e.g. ternary-base3; default: fp32 models")
+    p.add_argument("--consensus-step", type=float, default=0.25,
+                   help="with --compressor: step of the edge updates")
+    p.add_argument("--max-model-rate", type=float, default=50.0,
+                   help="model frames per second accepted from (and sent to) one peer")
+    p.add_argument("--model-burst", type=int, default=10, help="burst of that rate limit")
+    p.add_argument("--max-version-jump", type=int, default=1000,
+                   help="largest step a received model clock may be ahead of the highest seen")
+    p.add_argument("--max-abs-weight", type=float, default=1000.0,
+                   help="largest absolute weight a received model may hold")
+    p.add_argument("--eval-every", type=int, default=25,
+                   help="evaluate every this many steps (default: 25)")
     p.add_argument("--min-step-s", type=float, default=0.0, help="pace steps (emulate slow CPU)")
-    p.add_argument("--send-timeout-s", type=float, default=2.0)
+    p.add_argument("--send-timeout-s", type=float, default=2.0,
+                   help="deadline of one send, in seconds (default: 2.0)")
     p.add_argument(
         "--no-overlap", action="store_true",
         help="classic gossip: after each step send a snapshot and wait for it (no sender thread)",
     )
     p.add_argument("--shaper", default="", help="link delays: '*=LAT_S[/BW_BPS],ID=...'")
-    p.add_argument("--max-frame-bytes", type=int, default=64 * 1024 * 1024)
-    p.add_argument("--peers-timeout-s", type=float, default=120.0)
-    p.add_argument("--linger-s", type=float, default=1.0)
-    p.add_argument("--metrics-interval-s", type=float, default=0.5)
-    p.add_argument("--max-lifetime-s", type=float, default=900.0)
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--max-frame-bytes", type=int, default=64 * 1024 * 1024,
+                   help="largest frame accepted or sent (default: 64 MiB)")
+    p.add_argument("--peers-timeout-s", type=float, default=120.0,
+                   help="how long to wait for the peer list, in seconds (default: 120)")
+    p.add_argument("--linger-s", type=float, default=1.0,
+                   help="keep serving this long after finishing, in seconds (default: 1.0)")
+    p.add_argument("--metrics-interval-s", type=float, default=0.5,
+                   help="write the metrics file this often, in seconds (default: 0.5)")
+    p.add_argument("--max-lifetime-s", type=float, default=900.0,
+                   help="stop training after this many seconds, finished or not (default: 900)")
+    p.add_argument("--log-level", default="WARNING",
+                   help="logging level (default: WARNING)")
     return p
 
 
@@ -88,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Heavy imports after the signal handlers, so an early SIGTERM is graceful too.
     import torch
 
+    from fedddl.gossip.admission import AdmissionLimits
     from fedddl.gossip.peer_files import (
         METRICS_FILE,
         NODE_FILE,
@@ -97,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_json,
     )
     from fedddl.gossip.peer_node import NodeConfig, PeerNode
+    from fedddl.gossip.tls import PeerTls
     from fedddl.gossip.transport import parse_shaper_spec
 
     torch.set_num_threads(1)  # many nodes share few cores
@@ -107,7 +142,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.peers and state_dir is None:
         print("error: give --peers or --state-dir (to wait for peers.json)", file=sys.stderr)
         return 2
+    if not args.tls_dir and not args.insecure:
+        print("error: give --tls-dir DIR (mutual TLS) or --insecure (loopback only)",
+              file=sys.stderr)
+        return 2
+    if args.insecure:
+        print(f"WARNING: gossip node {args.node_id} runs --insecure: frames travel in plaintext "
+              "and nobody is authenticated; only loopback addresses are allowed",
+              file=sys.stderr, flush=True)
     try:
+        tls = PeerTls.load(args.tls_dir, args.node_id) if args.tls_dir else None
+        limits = AdmissionLimits(
+            max_model_rate=args.max_model_rate,
+            model_burst=args.model_burst,
+            max_version_jump=args.max_version_jump,
+            max_abs_weight=args.max_abs_weight,
+        )
         config = NodeConfig(
             node_id=args.node_id,
             steps=args.steps,
@@ -121,11 +171,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             overlap=not args.no_overlap,
             max_frame_bytes=args.max_frame_bytes,
             seed=args.seed,
+            compressor=args.compressor,
+            consensus_step=args.consensus_step,
+            limits=limits,
         )
         peers = parse_peers(args.peers) if args.peers else None
         shaper = parse_shaper_spec(args.shaper)
         model, data = _load(args)
-        node = PeerNode(config, model, data, bind=args.bind, shaper=shaper)
+        node = PeerNode(config, model, data, bind=args.bind, shaper=shaper, tls=tls)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -159,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 stop.set()
             stop.wait(0.05)
         if peers is not None and not stop.is_set():
-            node.set_peers(peers)
+            node.set_peers(peers)  # ValueError (insecure, non-loopback peer) ends the run
             node.start_training()
             while not node.wait_done(args.metrics_interval_s):
                 dump()

@@ -40,8 +40,17 @@ SPAWNED_FILE = "spawned.json"
 LOG_FILE = "peer.log"
 
 # Options a remote coordinator may set, with their types; anything else is refused
-# so a message can never inject other command-line arguments.
+# so a message can never inject other command-line arguments. ``bool`` options are
+# flags (given when true); an empty string means "not set".
 PEER_OPTIONS: dict[str, type] = {
+    "tls-dir": str,
+    "insecure": bool,
+    "compressor": str,
+    "consensus-step": float,
+    "max-model-rate": float,
+    "model-burst": int,
+    "max-version-jump": int,
+    "max-abs-weight": float,
     "steps": int,
     "batch-size": int,
     "learning-rate": float,
@@ -85,11 +94,19 @@ def peer_cli_args(
         kind = PEER_OPTIONS.get(key)
         if kind is None:
             raise ValueError(f"unknown peer option {key!r}; allowed: {sorted(PEER_OPTIONS)}")
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise ValueError(f"peer option {key!r} must be bool, got {value!r}")
+            if value:
+                args.append(f"--{key}")
+            continue
         ok = isinstance(value, kind) and not isinstance(value, bool)
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             ok = True
         if not ok:
             raise ValueError(f"peer option {key!r} must be {kind.__name__}, got {value!r}")
+        if value == "":
+            continue
         args += [f"--{key}", str(value)]
     return args
 

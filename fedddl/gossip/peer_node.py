@@ -1,4 +1,4 @@
-"""One real gossip node: trains, serves model exchanges, ships snapshots to scheduled peers.
+"""One real gossip node: trains, serves model exchanges, ships models to scheduled peers.
 
 Threads of a :class:`PeerNode`:
 
@@ -8,17 +8,31 @@ Threads of a :class:`PeerNode`:
   ``eval_every`` steps. It never waits on the network (except with ``overlap=False``).
 * **sender** -- whenever the model advanced since its last send, takes a
   snapshot (under the lock), asks the shared :class:`~fedddl.gossip.Scheduler`
-  for a partner and ships it; measured transfer times feed the
+  for a partner and ships it either the whole model (a MODEL frame) or, with
+  ``compressor`` set, a compressed difference against the partner's public copy
+  (a DELTA frame, :mod:`fedddl.gossip.compressed`); measured transfer times feed the
   :class:`~fedddl.gossip.CommTimeEstimator`. Computation overlaps this.
   With ``overlap=False`` (classic gossip, the simulator's ``random`` baseline)
   there is no sender thread: the training thread ships a snapshot after each
   step (after its ``min_step_s`` pacing) and waits for the send to finish.
 * **state** -- broadcasts the node's :class:`~fedddl.gossip.PeerState` (small
   STATE frames) when its ``enabled`` flag flips, at most every ``state_interval_s``.
-* gRPC workers -- :meth:`PeerNode.handle_frame` validates every frame
-  completely (checksum, size, sender, tensor names/shapes/dtypes, finite
-  values) before it is queued for merging; a bad frame is refused with a
-  status and never touches the model.
+* gRPC workers -- :meth:`PeerNode.handle_frame` checks every frame completely
+  before it can touch the model: the frame format, the caller's certificate
+  against the sender it claims (mutual TLS, :mod:`fedddl.gossip.tls`), the
+  sender's membership, its rate of model frames, its Lamport clock, and every
+  tensor (names, shapes, dtypes, finite, in range; :mod:`fedddl.gossip.admission`).
+  A refused frame gets an error status, is counted per peer and reason in the
+  metrics and logged once per peer and reason.
+
+**Before training starts** (the peer list has not arrived yet), a checked frame
+from any sender is *held* (one model frame and one state per sender, at most
+``hold_limit`` in all) and acknowledged; when training starts, held frames of
+senders in the peer list are admitted as if they had just arrived and the others
+are dropped and counted. A second model frame of a sender whose first one is
+held is answered ``UNAVAILABLE`` "not ready", which the sender retries shortly
+without counting it as a failure. So the start-up race -- a peer that got its
+peer list first sends before this node has its own -- loses nothing.
 
 A peer that fails to answer within ``send_timeout_s`` is backed off
 exponentially and treated as disabled, so a dead node slows nobody down.
@@ -27,6 +41,7 @@ exponentially and treated as disabled, so a dead node slows nobody down.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Mapping
@@ -37,17 +52,28 @@ import grpc
 import numpy as np
 import torch
 
+from fedddl.gossip.admission import Admission, AdmissionLimits, RejectedFrame, RejectionLog
+from fedddl.gossip.compressed import (
+    LINK_NO_BASE,
+    LINK_OUT_OF_SYNC,
+    CompressedGossip,
+    LinkError,
+    add_correction,
+    float_tensors,
+)
 from fedddl.gossip.estimator import CommTimeEstimator
 from fedddl.gossip.merge import merge_models, version_weight
 from fedddl.gossip.scheduler import PeerState, get_scheduler
-from fedddl.gossip.transport import (
-    LinkShaper,
-    PeerClient,
-    PeerServer,
-    RejectedFrame,
-    TransportError,
+from fedddl.gossip.tls import PeerTls, require_loopback
+from fedddl.gossip.transport import LinkShaper, PeerClient, PeerServer, TransportError
+from fedddl.gossip.wire import (
+    DEFAULT_MAX_FRAME_BYTES,
+    Frame,
+    FrameKind,
+    decode_frame,
+    encode_frame,
 )
-from fedddl.gossip.wire import DEFAULT_MAX_FRAME_BYTES, FrameKind, decode_frame, encode_frame
+from fedddl.seeding import derive_seed
 from fedddl.training import (
     compute_gradients,
     evaluate,
@@ -55,11 +81,14 @@ from fedddl.training import (
     parameters_fingerprint,
 )
 
-__all__ = ["NodeConfig", "PeerNode", "TrainingData"]
+__all__ = ["NOT_READY", "NodeConfig", "PeerNode", "TrainingData"]
 
 _log = logging.getLogger(__name__)
 _MAX_BACKOFF_S = 5.0
 _FINISHED = "node has finished training"
+#: Reason text of a frame that cannot be held before training starts; senders retry it.
+NOT_READY = "node is not ready yet"
+_NOT_READY_RETRY_S = 0.1
 _STATE_REFRESH_S = 1.0  # re-broadcast the state at least this often (versions, speed)
 
 
@@ -80,6 +109,10 @@ class NodeConfig:
     state_interval_s: float = 0.2
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     seed: int = 0
+    compressor: str = ""  # "" = whole fp32 models; else compressed differences (DELTA)
+    consensus_step: float = 0.25  # edge-update step of compressed gossip
+    limits: AdmissionLimits = field(default_factory=AdmissionLimits)
+    hold_limit: int = 64  # frames held before training starts
 
     def __post_init__(self) -> None:
         checks = {
@@ -92,13 +125,28 @@ class NodeConfig:
             "send_timeout_s": self.send_timeout_s > 0,
             "state_interval_s": self.state_interval_s > 0,
             "max_frame_bytes": self.max_frame_bytes > 0,
+            "consensus_step": 0 < self.consensus_step <= 1,
+            "hold_limit": self.hold_limit >= 0,
         }
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"NodeConfig.{name} is out of range: {getattr(self, name)!r}")
         if self.merge not in ("average", "version"):
             raise ValueError(f"NodeConfig.merge must be 'average' or 'version', got {self.merge!r}")
+        if self.compressor and self.merge != "average":
+            raise ValueError(
+                "NodeConfig.merge applies to uncompressed gossip only; compressed gossip "
+                "merges by edge updates (consensus_step)"
+            )
         get_scheduler(self.scheduler)  # fails early on an unknown name
+        if self.compressor:
+            from fedddl.compression import available_compressors
+
+            if self.compressor not in available_compressors():
+                raise ValueError(
+                    f"NodeConfig.compressor {self.compressor!r} is not registered; "
+                    f"choose one of {available_compressors()}"
+                )
 
 
 @dataclass
@@ -118,8 +166,13 @@ class _Counters:
     merged: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    model_bytes_sent: int = 0
     send_failures: int = 0
-    rejected: dict[str, int] = field(default_factory=dict)
+    rate_limited: int = 0  # our model frames a peer refused as over its rate
+    key_frames_sent: int = 0
+    links_reset: int = 0
+    held: int = 0  # frames held before training started
+    held_dropped: int = 0  # of those, refused when training started
     transfer_s_sum: dict[int, float] = field(default_factory=dict)
     transfers: dict[int, int] = field(default_factory=dict)
 
@@ -132,7 +185,7 @@ class PeerNode:
     config : NodeConfig
         Node settings.
     model : torch.nn.Module
-        The local model (all nodes usually start from the same seed).
+        The local model (all nodes of a run start from the same seed).
     data : TrainingData
         Shard and test set.
     bind : str
@@ -141,6 +194,14 @@ class PeerNode:
         Artificial per-peer link delays.
     estimator : CommTimeEstimator, optional
         Transfer-time estimator (a default one if omitted).
+    tls : PeerTls, optional
+        Mutual TLS (this node's certificate). Without it the node is insecure and
+        only serves and dials loopback addresses.
+
+    Raises
+    ------
+    ValueError
+        Without ``tls``, if ``bind`` is not a loopback address.
     """
 
     def __init__(
@@ -151,32 +212,56 @@ class PeerNode:
         bind: str = "127.0.0.1:0",
         shaper: LinkShaper | None = None,
         estimator: CommTimeEstimator | None = None,
+        tls: PeerTls | None = None,
     ) -> None:
+        if tls is None:
+            require_loopback(bind, "bind address")
+        elif tls.node_id != config.node_id:
+            raise ValueError(f"TLS material of node {tls.node_id} given to node {config.node_id}")
         self.config = config
         self.model = model
         self.data = data
+        self.tls = tls
         self.shaper = shaper or LinkShaper()
         self.estimator = estimator or CommTimeEstimator()
         self.scheduler = get_scheduler(config.scheduler)
         self._optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate)
-        self._spec = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
-        self._model_bytes = sum(v.numel() * v.element_size() for v in model.state_dict().values())
+        state = model.state_dict()
+        self._spec = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
         self._model_lock = threading.Lock()  # model, version
         self._state_lock = threading.Lock()  # pending, peer states, counters, clients
+        self._links_lock = threading.Lock()  # compressed gossip's public copies
+        self._gossip: CompressedGossip | None = None
+        if config.compressor:
+            self._gossip = CompressedGossip(
+                config.compressor,
+                state,
+                seed=derive_seed(config.seed, config.node_id, 0xC0),
+                consensus_step=config.consensus_step,
+                max_abs_weight=config.limits.max_abs_weight,
+            )
+        self.admission = Admission(config.limits)
+        self.rejection_log = RejectionLog(f"node {config.node_id}")
         self._version = 0
         self._step = 0
         self._steps_per_s = 0.0
         self._ship_wait_s = 0.0  # training time spent waiting for sends (overlap=False)
         self._pending: dict[int, tuple[dict[str, torch.Tensor], int]] = {}
+        self._correction: dict[str, torch.Tensor] | None = None  # summed edge updates
+        self._correction_version = 0
+        self._corrections = 0
+        self._held: list[tuple[Frame, int]] = []
         self._receiving = 0  # frames being handled right now: our "downlink" is busy
         self._peer_states: dict[int, PeerState] = {}
         self._clients: dict[int, PeerClient] = {}
         self._backoff_until: dict[int, float] = {}
+        self._last_model_send: dict[int, float] = {}
         self._failures: dict[int, int] = {}
         self._finished_peers: set[int] = set()
         self._counters = _Counters()
         self._accuracy: list[dict[str, float]] = []
         self._rng = np.random.default_rng([config.seed, config.node_id])
+        self._frame_bytes = self._initial_frame_bytes(state)
         self._started_at = time.time()
         self._finished_at: float | None = None
         self.error: str | None = None  # why training stopped early, if it crashed
@@ -184,7 +269,17 @@ class PeerNode:
         self._done = threading.Event()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self.server = PeerServer(self.handle_frame, bind, config.max_frame_bytes)
+        self.server = PeerServer(
+            self.handle_frame, bind, config.max_frame_bytes, tls=tls, rejections=self.rejection_log
+        )
+
+    def _initial_frame_bytes(self, state: Mapping[str, torch.Tensor]) -> int:
+        """Size of a model frame, before the first one is sent (the scheduler needs one)."""
+        base = len(encode_frame(FrameKind.STATE, self.node_id, PeerState(self.node_id, True, 0)))
+        if self._gossip is not None:
+            return base + self._gossip.expected_bytes()
+        return len(encode_frame(FrameKind.MODEL, self.node_id, PeerState(self.node_id, True, 0),
+                                state))
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -192,29 +287,55 @@ class PeerNode:
         """This node's id."""
         return self.config.node_id
 
+    @property
+    def secure(self) -> bool:
+        """Whether the node talks mutual TLS."""
+        return self.tls is not None
+
     def serve(self) -> None:
-        """Start the gRPC service (frames are accepted once training starts)."""
+        """Start the gRPC service (frames are held until training starts)."""
         self.server.start()
 
     def set_peers(self, peers: Mapping[int, str]) -> None:
-        """Set the other nodes' addresses (its own id is ignored)."""
+        """Set the other nodes' addresses (its own id is ignored).
+
+        Raises
+        ------
+        ValueError
+            On an insecure node, if an address is not on loopback.
+        """
+        if self.tls is None:
+            for node, address in peers.items():
+                if node != self.node_id:
+                    require_loopback(address, f"address of peer {node}")
         with self._state_lock:
             for node, address in peers.items():
                 if node == self.node_id or node in self._clients:
                     continue
-                self._clients[node] = PeerClient(node, address, self.shaper)
+                self._clients[node] = PeerClient(node, address, self.shaper, self.tls)
                 self._peer_states[node] = PeerState(node, True, 0)
 
     def start_training(self, run_threads: bool = True) -> None:
-        """Start accepting models and run the training, sender and state threads.
+        """Admit the held frames and run the training, sender and state threads.
 
         With ``run_threads=False`` the node only accepts frames; the caller merges
         them with :meth:`merge_pending` (tests, embedding in another loop).
         """
-        if self._training.is_set():
-            raise RuntimeError("training already started")
-        self._started_at = time.time()
-        self._training.set()
+        with self._state_lock:
+            if self._training.is_set():
+                raise RuntimeError("training already started")
+            self._started_at = time.time()
+            self._training.set()
+            held, self._held = self._held, []
+        for frame, num_bytes in held:
+            try:
+                self._admit(frame, num_bytes)
+            except RejectedFrame as exc:
+                with self._state_lock:
+                    self._counters.held_dropped += 1
+                self.rejection_log.record(
+                    f"node {frame.sender}", exc.key, exc.code.name, f"held frame: {exc.reason}"
+                )
         if not run_threads:
             return
         loops = [(self._train_loop, "train"), (self._state_loop, "state")]
@@ -241,54 +362,83 @@ class PeerNode:
             client.close()
 
     # ------------------------------------------------------------------ receiving
-    def handle_frame(self, data: bytes) -> bytes:
-        """Validate one incoming frame, queue a model for merging, reply with an ACK.
+    def handle_frame(self, data: bytes, caller: int | None = None) -> bytes:
+        """Check one incoming frame, queue what it brings, reply with an ACK.
+
+        Parameters
+        ----------
+        data : bytes
+            The frame.
+        caller : int, optional
+            Node id of the caller's verified certificate (``None`` without TLS).
 
         Raises
         ------
         WireError
             Malformed, truncated, oversized or corrupted frame.
         RejectedFrame
-            Unknown sender, model that does not fit ours, or node not ready.
+            Any other refusal (see the module docstring).
         """
         with self._state_lock:
             self._receiving += 1
         try:
-            self._accept(data)
+            frame = self._check(data, caller)
+            if not self._hold(frame, len(data)):
+                self._admit(frame, len(data))
         finally:
             with self._state_lock:
                 self._receiving -= 1
         return encode_frame(FrameKind.ACK, self.node_id, self.own_state())
 
-    def _accept(self, data: bytes) -> None:
+    def _check(self, data: bytes, caller: int | None) -> Frame:
+        """Checks that need no peer list: format, identity, model shape."""
         frame = decode_frame(data, self.config.max_frame_bytes)
-        if frame.sender == self.node_id:
-            raise RejectedFrame(grpc.StatusCode.PERMISSION_DENIED, "frame claims to be from me")
-        with self._state_lock:
-            known = frame.sender in self._clients
-        if not known:
+        sender = frame.sender
+        if self.tls is not None:
+            if caller is None:
+                raise RejectedFrame(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    "the caller's certificate names no gossip node",
+                    "no-identity",
+                )
+            if caller != sender:
+                raise RejectedFrame(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"frame claims to be from node {sender}, but the caller's certificate "
+                    f"is node {caller}'s",
+                    "identity-mismatch",
+                    caller,
+                )
+        if sender == self.node_id:
             raise RejectedFrame(
-                grpc.StatusCode.PERMISSION_DENIED, f"sender {frame.sender} is not a known peer"
+                grpc.StatusCode.PERMISSION_DENIED, "frame claims to be from me", "claims-me"
             )
         if frame.kind is FrameKind.MODEL:
-            self._check_model(frame.tensors)
-            if self._done.is_set():
-                raise RejectedFrame(grpc.StatusCode.UNAVAILABLE, _FINISHED)
-            if not self._training.is_set():
-                raise RejectedFrame(grpc.StatusCode.UNAVAILABLE, "node has not started training")
-        with self._state_lock:
-            self._peer_states[frame.sender] = frame.state
-            self._counters.bytes_received += len(data)
-            if frame.kind is FrameKind.MODEL:
-                self._pending[frame.sender] = (frame.tensors, frame.state.model_version)
-                received = self._counters.received_from
-                received[frame.sender] = received.get(frame.sender, 0) + 1
+            if self._gossip is not None:
+                raise RejectedFrame(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "this node runs compressed gossip: send DELTA frames",
+                    "wrong-mode",
+                    sender,
+                )
+            self._check_spec(sender, frame.tensors)
+        if frame.kind is FrameKind.DELTA and self._gossip is None:
+            raise RejectedFrame(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this node runs uncompressed gossip: send MODEL frames",
+                "wrong-mode",
+                sender,
+            )
+        return frame
 
-    def _check_model(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def _check_spec(self, sender: int, tensors: Mapping[str, torch.Tensor]) -> None:
         if set(tensors) != set(self._spec):
             diff = sorted(set(tensors) ^ set(self._spec))
             raise RejectedFrame(
-                grpc.StatusCode.FAILED_PRECONDITION, f"tensor names differ from my model: {diff}"
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"tensor names differ from my model: {diff}",
+                "model-mismatch",
+                sender,
             )
         for name, tensor in tensors.items():
             shape, dtype = self._spec[name]
@@ -297,18 +447,102 @@ class PeerNode:
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"tensor {name!r} is {tuple(tensor.shape)} {tensor.dtype}, mine is"
                     f" {shape} {dtype}",
+                    "model-mismatch",
+                    sender,
                 )
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+
+    def _hold(self, frame: Frame, num_bytes: int) -> bool:
+        """Hold a frame that arrives before training starts; False once it has started."""
+        with self._state_lock:
+            if self._training.is_set():
+                return False
+            carries = frame.kind.carries_model
+            same = [
+                i for i, (held, _) in enumerate(self._held)
+                if held.sender == frame.sender and held.kind.carries_model == carries
+            ]
+            full = not same and len(self._held) >= self.config.hold_limit
+            if (carries and same) or full:
                 raise RejectedFrame(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"tensor {name!r} has non-finite values"
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"{NOT_READY}: training has not started (retry)",
+                    "not-ready",
+                    frame.sender,
                 )
+            if same:  # a newer state replaces the held one
+                self._held[same[0]] = (frame, num_bytes)
+            else:
+                self._held.append((frame, num_bytes))
+            self._counters.held += 1
+        return True
+
+    def _admit(self, frame: Frame, num_bytes: int) -> None:
+        """Checks against the peer list and the limits; then queue the frame's content."""
+        sender = frame.sender
+        with self._state_lock:
+            known = sender in self._clients
+        if not known:
+            raise RejectedFrame(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"sender {sender} is not a known peer",
+                "unknown-sender",
+                sender,
+            )
+        version = frame.state.model_version
+        if frame.kind.carries_model:
+            if self._done.is_set():
+                raise RejectedFrame(grpc.StatusCode.UNAVAILABLE, _FINISHED, "finished", sender)
+            self.admission.take_model_slot(sender)
+        self.admission.check_version(sender, version, self._version)
+        correction: dict[str, torch.Tensor] | None = None
+        if frame.kind is FrameKind.MODEL:
+            self.admission.check_weights(sender, frame.tensors)
+        elif frame.kind is FrameKind.DELTA:
+            correction = self._receive_delta(frame)
+        self.admission.accept_version(version)
+        with self._state_lock:
+            self._peer_states[sender] = frame.state
+            self._counters.bytes_received += num_bytes
+            if frame.kind is FrameKind.MODEL:
+                self._pending[sender] = (frame.tensors, version)
+            elif correction is not None:
+                self._add_correction_locked(correction, version)
+            if frame.kind.carries_model:
+                received = self._counters.received_from
+                received[sender] = received.get(sender, 0) + 1
+
+    def _receive_delta(self, frame: Frame) -> dict[str, torch.Tensor]:
+        assert self._gossip is not None and frame.link is not None
+        try:
+            with self._links_lock:
+                return self._gossip.receive(frame.sender, frame.link, frame.update)
+        except LinkError as exc:
+            code = (
+                grpc.StatusCode.FAILED_PRECONDITION
+                if exc.key == "link-out-of-sync"
+                else grpc.StatusCode.INVALID_ARGUMENT
+            )
+            raise RejectedFrame(code, str(exc), exc.key, frame.sender) from None
+
+    def _add_correction_locked(
+        self, correction: Mapping[str, torch.Tensor], version: int | None
+    ) -> None:
+        if self._correction is None:
+            self._correction = {k: v.clone() for k, v in correction.items()}
+        else:
+            for name, value in correction.items():
+                self._correction[name] += value
+        self._corrections += 1
+        if version is not None:
+            self._correction_version = max(self._correction_version, version)
 
     # ------------------------------------------------------------------ state
     def own_state(self) -> PeerState:
         """This node's shareable state: enabled = training and not receiving a frame right now."""
         with self._state_lock:
             enabled = self._training.is_set() and not self._done.is_set() and not self._receiving
-            estimates = {p: self.estimator.estimate(p, self._model_bytes) for p in self._clients}
+            size = self._frame_bytes
+            estimates = {p: self.estimator.estimate(p, size) for p in self._clients}
         return PeerState(self.node_id, enabled, self._version, estimates, self._steps_per_s)
 
     def fingerprint(self) -> str:
@@ -357,14 +591,17 @@ class PeerNode:
             self._done.set()
 
     def merge_pending(self) -> int:
-        """Merge the models received since the last merge; returns how many."""
+        """Merge what was received since the last merge; returns how many updates."""
         with self._model_lock:
             return self._merge_pending_locked()
 
     def _merge_pending_locked(self) -> int:
         with self._state_lock:
             pending, self._pending = self._pending, {}
-        if not pending:
+            correction, self._correction = self._correction, None
+            corrections, self._corrections = self._corrections, 0
+            correction_version = self._correction_version
+        if not pending and correction is None:
             return 0
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         for tensors, version in pending.values():
@@ -373,10 +610,14 @@ class PeerNode:
             )
             state = merge_models(state, tensors, weight)
             self._version = max(self._version, version)  # Lamport clock over SGD steps
+        if correction is not None:  # compressed gossip: the summed edge updates
+            state = add_correction(state, correction)
+            self._version = max(self._version, correction_version)
         self.model.load_state_dict(state)
+        merged = len(pending) + corrections
         with self._state_lock:
-            self._counters.merged += len(pending)
-        return len(pending)
+            self._counters.merged += merged
+        return merged
 
     def _record_accuracy(self) -> None:
         with self._model_lock:
@@ -399,23 +640,51 @@ class PeerNode:
                 last_sent = sent
 
     def _ship_snapshot(self) -> int | None:
-        """Send a snapshot of the model to a scheduled peer.
+        """Send a snapshot of the model (or its compressed difference) to a scheduled peer.
 
         Returns its version if it was delivered, -1 if the send failed, None if no
         peer could be chosen.
         """
+        with self._state_lock:
+            size = self._frame_bytes
+        peer = self._choose_peer(size)
+        if peer is None:
+            return None
         with self._model_lock:
             version = self._version
             snapshot = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        frame = encode_frame(FrameKind.MODEL, self.node_id, self.own_state(), snapshot)
-        peer = self._choose_peer(len(frame))
-        if peer is None:
-            return None
-        if not self._send(peer, frame, is_model=True):
-            return -1
+        return version if self._ship(peer, snapshot) else -1
+
+    def _ship(self, peer: int, snapshot: dict[str, torch.Tensor]) -> bool:
+        """Send ``snapshot`` (or its compressed difference) to ``peer``; True if acked."""
+        update = None
+        if self._gossip is None:
+            frame = encode_frame(FrameKind.MODEL, self.node_id, self.own_state(), snapshot)
+        else:
+            with self._links_lock:
+                update = self._gossip.prepare(peer, float_tensors(snapshot))
+            frame = encode_frame(
+                FrameKind.DELTA, self.node_id, self.own_state(),
+                link=update.header, update=update.payload,
+            )
         with self._state_lock:
+            self._last_model_send[peer] = time.monotonic()
+        if not self._send(peer, frame, is_model=True):
+            return False
+        with self._state_lock:
+            if update is None or not update.header.key:
+                self._frame_bytes = len(frame)  # what the scheduler plans with next
             self._counters.sent_to[peer] = self._counters.sent_to.get(peer, 0) + 1
-        return version
+            self._counters.model_bytes_sent += len(frame)
+            if update is not None and update.header.key:
+                self._counters.key_frames_sent += 1
+        if update is not None:
+            assert self._gossip is not None
+            with self._links_lock:
+                correction = self._gossip.commit(update)
+            with self._state_lock:
+                self._add_correction_locked(correction, None)
+        return True
 
     def _choose_peer(self, frame_bytes: int) -> int | None:
         now = time.monotonic()
@@ -428,9 +697,16 @@ class PeerNode:
         if not states:
             return None
         states[self.node_id] = self.own_state()
-        return self.scheduler.choose_peer(
+        peer = self.scheduler.choose_peer(
             self.node_id, states, frame_bytes, self.estimator, self._rng
         )
+        if peer is not None:  # stay within the peers' rate limit: wait for its next slot
+            with self._state_lock:
+                last = self._last_model_send.get(peer, -math.inf)
+            wait = last + 1.0 / self.config.limits.max_model_rate - time.monotonic()
+            if wait > 0 and self._stop.wait(wait):
+                return None
+        return peer
 
     def _send(self, peer: int, frame: bytes, is_model: bool = False) -> bool:
         with self._state_lock:
@@ -438,6 +714,8 @@ class PeerNode:
         try:
             result = client.send(frame, self.config.send_timeout_s)
             reply = decode_frame(result.reply, self.config.max_frame_bytes)
+            if reply.sender != peer or reply.kind is not FrameKind.ACK:
+                raise ValueError(f"peer {peer} answered with a {reply.kind.name} of {reply.sender}")
         except (TransportError, ValueError) as exc:
             self._on_send_failure(peer, exc)
             return False
@@ -448,17 +726,43 @@ class PeerNode:
                 sums = self._counters.transfer_s_sum
                 sums[peer] = sums.get(peer, 0.0) + result.seconds
                 self._counters.transfers[peer] = self._counters.transfers.get(peer, 0) + 1
-            self._peer_states[peer] = reply.state
             self._failures[peer] = 0
             self._backoff_until.pop(peer, None)
+        try:  # a reply's clock feeds the scheduler only: a wild one is ignored
+            self.admission.check_version(peer, reply.state.model_version, self._version)
+        except RejectedFrame as exc:
+            self.rejection_log.record(f"node {peer}", exc.key, "IGNORED_REPLY", exc.reason)
+            return True
+        with self._state_lock:
+            self._peer_states[peer] = reply.state
         return True
 
     def _on_send_failure(self, peer: int, exc: Exception) -> None:
         code = exc.code if isinstance(exc, TransportError) else None
+        text = str(exc)
         with self._state_lock:
-            if code is grpc.StatusCode.UNAVAILABLE and _FINISHED in str(exc):
+            if code is grpc.StatusCode.UNAVAILABLE and _FINISHED in text:
                 self._finished_peers.add(peer)  # it is done: stop choosing it
                 return
+            if code is grpc.StatusCode.UNAVAILABLE and NOT_READY in text:
+                self._backoff_until[peer] = time.monotonic() + _NOT_READY_RETRY_S
+                return  # it has no peer list yet: retry soon, it is no failure
+            if code is grpc.StatusCode.RESOURCE_EXHAUSTED and "rate limit" in text:
+                self._counters.rate_limited += 1
+                gap = 1.0 / self.config.limits.max_model_rate
+                self._backoff_until[peer] = time.monotonic() + gap
+                return
+            out_of_sync = code is grpc.StatusCode.FAILED_PRECONDITION and (
+                LINK_OUT_OF_SYNC in text or LINK_NO_BASE in text
+            )
+            if out_of_sync:
+                self._counters.links_reset += 1
+        if out_of_sync:
+            if self._gossip is not None:
+                with self._links_lock:
+                    self._gossip.reset(peer)  # a key frame next time
+            return
+        with self._state_lock:
             self._counters.send_failures += 1
             failures = self._failures.get(peer, 0) + 1
             self._failures[peer] = failures
@@ -496,11 +800,13 @@ class PeerNode:
         """JSON-able snapshot of the node's counters and accuracy history."""
         with self._state_lock:
             counters = asdict(self._counters)
-            pending = len(self._pending)
+            pending = len(self._pending) + self._corrections
         accuracy = list(self._accuracy)
         return {
             "node_id": self.node_id,
             "address": self.server.address,
+            "secure": self.secure,
+            "compressor": self.config.compressor or None,
             "steps": self._step,
             "target_steps": self.config.steps,
             "model_version": self._version,
@@ -516,8 +822,15 @@ class PeerNode:
             "pending": pending,
             "bytes_sent": counters["bytes_sent"],
             "bytes_received": counters["bytes_received"],
+            "model_bytes_sent": counters["model_bytes_sent"],
             "send_failures": counters["send_failures"],
-            "rejected": dict(self.server.rejections),
+            "rate_limited": counters["rate_limited"],
+            "key_frames_sent": counters["key_frames_sent"],
+            "links_reset": counters["links_reset"],
+            "held": counters["held"],
+            "held_dropped": counters["held_dropped"],
+            "rejected": self.rejection_log.by_status(),
+            "rejections": self.rejection_log.by_peer(),
             "mean_transfer_s": {
                 str(k): total / counters["transfers"][k]
                 for k, total in counters["transfer_s_sum"].items()

@@ -15,6 +15,7 @@ __all__ = [
     "METRICS_RECORD",
     "NUMERIC_METRICS",
     "OPS",
+    "OP_HELLO",
     "OP_PEERS",
     "OP_START",
     "OP_STATUS",
@@ -29,11 +30,12 @@ REQUEST_RECORD = "gossip"
 REPLY_RECORD = "gossip-reply"
 METRICS_RECORD = "gossip-metrics"
 
+OP_HELLO = "hello"  # reply with the gossip id the node pins (node config gossip-id), or -1
 OP_START = "start"  # spawn (once) the node's peer process; reply with its address
 OP_PEERS = "peers"  # hand the peer its peer list; it starts training
 OP_STATUS = "status"  # reply with the peer's latest metrics
 OP_STOP = "stop"  # SIGTERM the peer; reply with its final metrics
-OPS = (OP_START, OP_PEERS, OP_STATUS, OP_STOP)
+OPS = (OP_HELLO, OP_START, OP_PEERS, OP_STATUS, OP_STOP)
 
 # Peer metrics (keys of PeerNode.metrics()) sent back as numbers.
 NUMERIC_METRICS = (
@@ -49,4 +51,9 @@ NUMERIC_METRICS = (
     "initial_accuracy",
     "final_accuracy",
     "steps_per_s",
+    "model_bytes_sent",
+    "rate_limited",
+    "key_frames_sent",
+    "links_reset",
+    "held",
 )

@@ -56,6 +56,14 @@ class GossipConfig:
         End the run at the evaluation that reaches the target.
     selection
         Partner choice of the scheduled method: ``"proportional"`` (default) or ``"fastest"``.
+    compressor
+        ``""`` (default): every message is the whole fp32 model.  A registered
+        compressor name (e.g. ``"ternary-base3"``): messages are compressed
+        differences against the receiver's public copy
+        (:mod:`fedddl.gossip.compressed`), and the scheduler plans with their size.
+    consensus_step
+        Step of the compressed gossip's edge updates (replaces ``merge_weight``
+        when ``compressor`` is set).
     downlink_holds_latency
         Whether a transfer occupies the receiver's downlink during its latency too
         (default, as published) or only while its bytes arrive
@@ -85,6 +93,8 @@ class GossipConfig:
     estimator_alpha: float = 0.3
     stop_at_target: bool = False
     selection: str = "proportional"
+    compressor: str = ""
+    consensus_step: float = 0.25
     downlink_holds_latency: bool = True
 
     def __post_init__(self) -> None:
@@ -105,6 +115,7 @@ class GossipConfig:
             (self.exchange_every >= 1, "exchange_every must be >= 1"),
             (self.stale_threshold_steps >= 0, "stale_threshold_steps must be >= 0"),
             (0.0 <= self.merge_weight <= 1.0, "merge_weight must be in [0, 1]"),
+            (0.0 < self.consensus_step <= 1.0, "consensus_step must be in (0, 1]"),
             (0.0 < self.estimator_alpha <= 1.0, "estimator_alpha must be in (0, 1]"),
             (self.seed >= 0, "seed must be >= 0"),
             (
@@ -115,6 +126,14 @@ class GossipConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"invalid gossip config: {message}")
+        if self.compressor:
+            from fedddl.compression import available_compressors
+
+            if self.compressor not in available_compressors():
+                raise ValueError(
+                    f"invalid gossip config: unknown compressor {self.compressor!r}; "
+                    f"registered: {', '.join(available_compressors())}"
+                )
 
     @property
     def overlaps(self) -> bool:

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from fedddl.gossip.compressed import add_correction
 from fedddl.gossip.merge import merge_models
 from fedddl.training import compute_gradients, iterate_minibatches
 
@@ -76,3 +77,9 @@ class SimNode:
         merged = merge_models(self.model.state_dict(), received, weight)
         self.model.load_state_dict(merged)
         self.version = max(self.version, version)
+
+    def correct(self, correction: Mapping[str, torch.Tensor], version: int | None) -> None:
+        """Add a consensus correction (compressed gossip); advance the clock to ``version``."""
+        self.model.load_state_dict(add_correction(self.model.state_dict(), correction))
+        if version is not None:
+            self.version = max(self.version, version)

@@ -29,6 +29,7 @@ class SimSetup:
     x_test: torch.Tensor
     y_test: torch.Tensor
     model_bytes: int
+    initial_state: dict[str, torch.Tensor]
 
 
 def model_message_bytes(state: dict[str, torch.Tensor]) -> int:
@@ -71,7 +72,8 @@ def build_setup(config: GossipConfig) -> SimSetup:
         base_step = _measure_step_time(nodes[0], base)
     for node, factor in zip(nodes, factors, strict=True):
         node.step_time_s = float(base_step * factor)
-    return SimSetup(nodes, x_test, y_test, model_bytes)
+    initial = {k: v.detach().clone() for k, v in base.state_dict().items()}
+    return SimSetup(nodes, x_test, y_test, model_bytes, initial)
 
 
 def _measure_step_time(node: SimNode, initial: torch.nn.Module) -> float:

@@ -24,11 +24,19 @@ accuracy); only time is simulated.  A heap of events ordered by virtual time
     Every ``eval_interval_s`` all nodes are evaluated on a fixed test subset;
     the curve holds the mean accuracy.
 
+With ``compressor`` set, a message is not the model but a compressed difference
+against the receiver's public copy of the sender (:mod:`fedddl.gossip.compressed`,
+the same classes the real peers use): the sender encodes it when it sends (and
+commits its copy at once: the simulated network loses nothing), the receiver
+decodes and applies it on arrival and merges the copy.  Transfer times, the
+scheduler's estimates and ``bytes_total`` use the encoded size.
+
 With the ``scheduled`` scheduler each node broadcasts its
 :class:`~fedddl.gossip.scheduler.PeerState` at time 0 and whenever its
 communication-enabled flag flips (start and end of every model it receives);
 others see it after the link latency (:class:`StatusBoard`).  Those bytes count
-in ``bytes_total`` next to the model messages (``messages * model_bytes``).
+in ``bytes_total`` next to the model messages (``model_bytes_total``: the sum of
+every message's size).
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedddl.gossip.compressed import CompressedGossip, OutgoingUpdate
 from fedddl.gossip.estimator import CommTimeEstimator
 from fedddl.gossip.scheduler import PeerState, Scheduler, get_scheduler
 from fedddl.gossip.sim_config import GossipConfig
@@ -51,6 +60,7 @@ from fedddl.gossip.sim_setup import SimSetup, build_setup
 from fedddl.gossip.sim_status import StatusBoard
 from fedddl.network import LinkScheduler, NetworkModel, Transfer, load_network
 from fedddl.progress import report
+from fedddl.seeding import derive_seed
 from fedddl.training import evaluate
 
 __all__ = ["GossipSimulation", "run_gossip"]
@@ -61,8 +71,9 @@ ProgressFn = Callable[[str], None]
 @dataclass
 class _Message:
     transfer: Transfer
-    state: dict[str, torch.Tensor]
+    state: dict[str, torch.Tensor] | None  # the model (uncompressed gossip)
     version: int
+    update: OutgoingUpdate | None = None  # the compressed difference (compressed gossip)
 
 
 class GossipSimulation:
@@ -102,6 +113,17 @@ class GossipSimulation:
         self.merges = 0
         self.merge_lags: list[int] = []  # receiver clock - received clock, per merge
         self.deferred = 0
+        self.model_bytes_total = 0
+        self.compressed: list[CompressedGossip] = []
+        if config.compressor:
+            self.compressed = [
+                CompressedGossip(
+                    config.compressor, setup.initial_state,
+                    seed=derive_seed(config.seed, i, 0xC0),
+                    consensus_step=config.consensus_step,
+                )
+                for i in range(n)
+            ]
         self.curve: list[list[float]] = []
         self.time_to_target: float | None = None
 
@@ -109,10 +131,16 @@ class GossipSimulation:
     def _push(self, time_s: float, kind: str, data: Any = None) -> None:
         heapq.heappush(self._queue, (time_s, next(self._seq), kind, data))
 
+    def _message_bytes(self, node: int) -> int:
+        """Size of ``node``'s next model message, as the scheduler and estimates see it."""
+        if self.compressed:
+            return self.compressed[node].expected_bytes()
+        return self.setup.model_bytes
+
     def _state(self, node: int, time_s: float) -> PeerState:
         sim_node = self.nodes[node]
         est = self.estimators[node]
-        model_bytes = self.setup.model_bytes
+        model_bytes = self._message_bytes(node)
         shared = {
             p: est.estimate(p, model_bytes) for p in range(len(self.nodes)) if est.observed(p)
         }
@@ -139,19 +167,31 @@ class GossipSimulation:
         overlap = self.config.overlaps
         if wants_send and (not overlap or not self.links.uplink_busy(node, now)):
             peer = self.scheduler.choose_peer(
-                node, self._peers(node, now), self.setup.model_bytes,
+                node, self._peers(node, now), self._message_bytes(node),
                 self.estimators[node], self.rngs[node],
             )
             if peer is None:
                 self.deferred += 1
             else:
-                transfer = self.links.reserve(node, peer, self.setup.model_bytes, now)
-                message = _Message(transfer, sim_node.snapshot(), sim_node.version)
-                self._push(transfer.start_s, "recv_start", message)
-                self._push(transfer.end_s, "arrive", message)
+                message = self._send(node, peer, now)
+                self._push(message.transfer.start_s, "recv_start", message)
+                self._push(message.transfer.end_s, "arrive", message)
                 if not overlap:
                     return  # the next step is scheduled on delivery
         self._push(next_start + sim_node.step_time_s, "step", node)
+
+    def _send(self, node: int, peer: int, now: float) -> _Message:
+        sim_node = self.nodes[node]
+        if self.compressed:
+            update = self.compressed[node].prepare(peer, sim_node.model.state_dict())
+            # The simulated network delivers everything: the link advances now, the
+            # sender's consensus step comes when the message arrives (its "ack").
+            self.compressed[node].commit(update)
+            size = len(update.payload) + update.header.extra_bytes
+            transfer = self.links.reserve(node, peer, size, now)
+            return _Message(transfer, None, sim_node.version, update)
+        transfer = self.links.reserve(node, peer, self.setup.model_bytes, now)
+        return _Message(transfer, sim_node.snapshot(), sim_node.version)
 
     def _on_recv_start(self, message: _Message, now: float) -> None:
         dst = message.transfer.dst
@@ -166,9 +206,18 @@ class GossipSimulation:
         self.merge_lags.append(lag)
         if lag > self.config.stale_threshold_steps:
             self.stale_merges += 1
-        receiver.merge(message.state, message.version, self.config.merge_weight)
+        if message.update is None:
+            assert message.state is not None
+            receiver.merge(message.state, message.version, self.config.merge_weight)
+        else:  # compressed: one CHOCO edge update on both ends
+            update = message.update
+            src, dst = transfer.src, transfer.dst
+            correction = self.compressed[dst].receive(src, update.header, update.payload)
+            receiver.correct(correction, message.version)
+            self.nodes[src].correct(self.compressed[src].sender_correction(dst), None)
         self.merges += 1
         self.messages += 1
+        self.model_bytes_total += transfer.num_bytes
         self.estimators[transfer.src].observe(transfer.dst, transfer.num_bytes, transfer.duration_s)
         self.receiving[transfer.dst] -= 1
         if self.receiving[transfer.dst] == 0:
@@ -223,7 +272,7 @@ class GossipSimulation:
             elif self._on_eval(now):
                 break
         model_bytes = self.setup.model_bytes
-        model_total = self.messages * model_bytes
+        model_total = self.model_bytes_total
         return {
             "config": cfg.to_dict(),
             "curve": self.curve,
@@ -234,6 +283,9 @@ class GossipSimulation:
             "final_accuracy": self.curve[-1][1],
             "model_bytes": model_bytes,
             "model_bytes_total": model_total,
+            "message_bytes_mean": model_total / self.messages if self.messages else None,
+            "compressor": cfg.compressor or None,
+            "key_frames": sum(c.sender.key_frames for c in self.compressed),
             "status_messages": self.board.messages,
             "status_bytes_total": self.board.bytes,
             "merges": self.merges,

@@ -3,14 +3,21 @@
 No protobuf code generation: the service is a grpc *generic* handler whose
 methods take and return raw bytes (frames of :mod:`fedddl.gossip.wire`).
 
-* :class:`PeerServer` serves ``/fedddl.gossip.Peer/Exchange``. Every request
-  goes to a handler ``bytes -> bytes``; a :class:`RejectedFrame` (or a
-  :class:`~fedddl.gossip.wire.WireError`) it raises is logged with its reason
-  and returned to the sender as an error status, so a bad frame never reaches
-  the receiver's model.  Requests over ``max_frame_bytes`` are refused before
-  the handler runs.
+* :class:`PeerServer` serves ``/fedddl.gossip.Peer/Exchange``, with mutual TLS
+  when given a :class:`~fedddl.gossip.tls.PeerTls` (then plaintext callers,
+  callers without a certificate and certificates of another CA fail the
+  handshake). Every request goes to a handler ``(bytes, caller) -> bytes``,
+  where ``caller`` is the node id in the caller's verified certificate (``None``
+  without TLS); a :class:`RejectedFrame` (or a
+  :class:`~fedddl.gossip.wire.WireError`) it raises is counted and logged once
+  per peer and reason (:class:`~fedddl.gossip.admission.RejectionLog`) and
+  returned to the sender as an error status, so a bad frame never reaches the
+  receiver's model.  Requests over ``max_frame_bytes`` are refused before the
+  handler runs.
 * :class:`PeerClient` sends a frame to one peer with a deadline, after the
-  :class:`LinkShaper` delay for that peer, and reports the measured time.
+  :class:`LinkShaper` delay for that peer, and reports the measured time. With
+  TLS it presents its node's certificate and accepts only a server whose
+  certificate names the node it dials.
 * :class:`LinkShaper` makes links slow on purpose (tests, emulated WANs):
   ``latency_s + num_bytes / bandwidth_Bps`` of sleep per send, per peer.
 """
@@ -18,7 +25,6 @@ methods take and return raw bytes (frames of :mod:`fedddl.gossip.wire`).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent import futures
@@ -26,6 +32,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from fedddl.gossip.admission import RejectedFrame, RejectionLog
+from fedddl.gossip.tls import PeerTls, caller_identity, peer_name
 from fedddl.gossip.wire import DEFAULT_MAX_FRAME_BYTES, WireError
 
 __all__ = [
@@ -49,16 +57,7 @@ _GRPC_SLACK_BYTES = 1024 * 1024
 
 _log = logging.getLogger(__name__)
 
-Handler = Callable[[bytes], bytes]
-
-
-class RejectedFrame(Exception):
-    """Raised by a frame handler to refuse a frame with a status and a reason."""
-
-    def __init__(self, code: grpc.StatusCode, reason: str) -> None:
-        super().__init__(reason)
-        self.code = code
-        self.reason = reason
+Handler = Callable[[bytes, "int | None"], bytes]
 
 
 class TransportError(Exception):
@@ -161,8 +160,9 @@ class PeerServer:
 
     Parameters
     ----------
-    handler : Callable[[bytes], bytes]
-        Called with each accepted request; returns the reply frame. Raise
+    handler : Callable[[bytes, int | None], bytes]
+        Called with each request and the caller's node id (from its certificate;
+        ``None`` without TLS); returns the reply frame. Raise
         :class:`RejectedFrame` or :class:`WireError` to refuse.
     bind : str
         ``host:port``; port ``0`` picks a free port (see :attr:`port`).
@@ -170,6 +170,10 @@ class PeerServer:
         Largest request accepted.
     max_workers : int
         Threads serving requests concurrently.
+    tls : PeerTls, optional
+        Serve with mutual TLS; without it the port is plaintext and unauthenticated.
+    rejections : RejectionLog, optional
+        Where refused frames are counted and logged (a new one by default).
     """
 
     def __init__(
@@ -178,13 +182,15 @@ class PeerServer:
         bind: str = "127.0.0.1:0",
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         max_workers: int = 4,
+        tls: PeerTls | None = None,
+        rejections: RejectionLog | None = None,
     ) -> None:
         if max_frame_bytes <= 0:
             raise ValueError(f"max_frame_bytes must be > 0, got {max_frame_bytes}")
         self.max_frame_bytes = int(max_frame_bytes)
-        self.rejections: dict[str, int] = {}
+        self.tls = tls
+        self.rejection_log = rejections or RejectionLog("peer service")
         self._handler = handler
-        self._lock = threading.Lock()
         grpc_limit = min(self.max_frame_bytes + _GRPC_SLACK_BYTES, 2**31 - 1)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="peer-rpc"),
@@ -196,7 +202,10 @@ class PeerServer:
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE_NAME, {"Exchange": method}),)
         )
-        self.port = self._server.add_insecure_port(bind)
+        if tls is None:
+            self.port = self._server.add_insecure_port(bind)
+        else:
+            self.port = self._server.add_secure_port(bind, tls.server_credentials())
         if self.port == 0:
             raise OSError(f"could not bind the peer service to {bind!r}")
         host = bind.rsplit(":", 1)[0]
@@ -210,28 +219,40 @@ class PeerServer:
         """Stop serving; in-flight requests get ``grace_s`` seconds to finish."""
         self._server.stop(grace_s).wait()
 
+    @property
+    def rejections(self) -> dict[str, int]:
+        """Refused frames by gRPC status name."""
+        return self.rejection_log.by_status()
+
     def _serve(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        caller = caller_identity(context) if self.tls is not None else None
         if len(request) > self.max_frame_bytes:
             self._reject(
                 context,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"frame of {len(request)} bytes exceeds the limit of {self.max_frame_bytes}",
+                RejectedFrame(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"frame of {len(request)} bytes exceeds the limit of {self.max_frame_bytes}",
+                    "oversized",
+                ),
+                caller,
             )
         try:
-            return self._handler(request)
+            return self._handler(request, caller)
         except RejectedFrame as exc:
-            self._reject(context, exc.code, exc.reason)
+            self._reject(context, exc, caller)
         except WireError as exc:
-            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            rejected = RejectedFrame(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "malformed")
+            self._reject(context, rejected, caller)
         raise AssertionError("unreachable: _reject aborts the call")
 
-    def _reject(self, context: grpc.ServicerContext, code: grpc.StatusCode, reason: str) -> None:
-        with self._lock:
-            self.rejections[code.name] = self.rejections.get(code.name, 0) + 1
-        # UNAVAILABLE is the normal "I am done" answer, not a sign of a bad sender.
-        level = logging.INFO if code is grpc.StatusCode.UNAVAILABLE else logging.WARNING
-        _log.log(level, "rejected frame from %s: %s (%s)", context.peer(), reason, code.name)
-        context.abort(code, reason)
+    def _reject(
+        self, context: grpc.ServicerContext, exc: RejectedFrame, caller: int | None
+    ) -> None:
+        node = exc.peer if exc.peer is not None else caller
+        # Unauthenticated callers are told apart by host (a new port per connection).
+        peer = f"node {node}" if node is not None else context.peer().rsplit(":", 1)[0]
+        self.rejection_log.record(peer, exc.key, exc.code.name, exc.reason)
+        context.abort(exc.code, exc.reason)
 
 
 @dataclass(frozen=True)
@@ -254,15 +275,26 @@ class PeerClient:
         ``host:port`` of its :class:`PeerServer`.
     shaper : LinkShaper, optional
         Artificial delay applied before each send.
+    tls : PeerTls, optional
+        Dial with mutual TLS (this node's certificate; the server must be node ``peer``).
     """
 
-    def __init__(self, peer: int, address: str, shaper: LinkShaper | None = None) -> None:
+    def __init__(
+        self,
+        peer: int,
+        address: str,
+        shaper: LinkShaper | None = None,
+        tls: PeerTls | None = None,
+    ) -> None:
         self.peer = peer
         self.address = address
         self.shaper = shaper or LinkShaper()
-        self._channel = grpc.insecure_channel(
-            address, options=[("grpc.max_receive_message_length", -1)]
-        )
+        options: list[tuple[str, int | str]] = [("grpc.max_receive_message_length", -1)]
+        if tls is None:
+            self._channel = grpc.insecure_channel(address, options=options)
+        else:
+            options.append(("grpc.ssl_target_name_override", peer_name(peer)))
+            self._channel = grpc.secure_channel(address, tls.channel_credentials(), options)
         self._call = self._channel.unary_unary(
             EXCHANGE_METHOD, request_serializer=None, response_deserializer=None
         )

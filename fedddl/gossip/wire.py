@@ -5,17 +5,22 @@ Every message exchanged between gossip peers is one frame::
     offset size  field
     0      4     magic b"FGSP"
     4      1     format version (1)
-    5      1     kind (MODEL=1, STATE=2, ACK=3)
+    5      1     kind (MODEL=1, STATE=2, ACK=3, DELTA=4)
     6      2     reserved, must be zero
     8      4     header length H (bytes, little-endian uint32)
     12     8     payload length P (bytes, little-endian uint64)
     20     4     CRC32 of header + payload (little-endian uint32)
     24     H     header: UTF-8 JSON object
-    24+H   P     payload: raw little-endian tensor bytes, concatenated in header order
+    24+H   P     payload: MODEL: raw little-endian tensor bytes, concatenated in header
+                 order; DELTA: one :func:`fedddl.compression.encode_update` message
 
 The JSON header carries the sender id, the sender's :class:`PeerState` (so
-availability and comm-time estimates piggyback on every exchange) and, for
-MODEL frames, the name, dtype and shape of every tensor. :func:`decode_frame`
+availability and comm-time estimates piggyback on every exchange), for MODEL
+frames the name, dtype and shape of every tensor, and for DELTA frames (compressed
+gossip, :mod:`fedddl.gossip.compressed`) the link header ``{"base", "seq",
+"key", "gains"}``; the compressed update itself is checked by its receiver
+(:meth:`~fedddl.gossip.compressed.ReceiverCopies.apply`) against its own model
+before anything is allocated. :func:`decode_frame`
 checks everything (size limit, magic, version, lengths, checksum, schema,
 tensor byte counts) before any tensor is built, so a bad frame raises
 :class:`WireError` and never reaches a model.
@@ -35,6 +40,7 @@ import numpy as np
 import torch
 
 from fedddl.framing import check_crc, check_magic, crc32_of
+from fedddl.gossip.compressed import LinkHeader
 from fedddl.gossip.scheduler import PeerState
 
 __all__ = [
@@ -78,6 +84,12 @@ class FrameKind(IntEnum):
     MODEL = 1  # a model snapshot to merge
     STATE = 2  # only the sender's PeerState (availability / estimates)
     ACK = 3  # a reply: the receiver's PeerState
+    DELTA = 4  # a compressed difference against a public copy (compressed gossip)
+
+    @property
+    def carries_model(self) -> bool:
+        """Whether the frame changes the receiver's model (MODEL or DELTA)."""
+        return self in (FrameKind.MODEL, FrameKind.DELTA)
 
 
 @dataclass(frozen=True)
@@ -94,12 +106,18 @@ class Frame:
         The sender's state at send time.
     tensors : dict[str, torch.Tensor]
         Named tensors (MODEL frames only; empty otherwise).
+    link : LinkHeader or None
+        Where a DELTA frame sits in its link (DELTA frames only).
+    update : bytes
+        The compressed update of a DELTA frame (empty otherwise; not yet decoded).
     """
 
     kind: FrameKind
     sender: int
     state: PeerState
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    link: LinkHeader | None = None
+    update: bytes = b""
 
 
 def peer_state_to_json(state: PeerState) -> dict[str, Any]:
@@ -108,7 +126,10 @@ def peer_state_to_json(state: PeerState) -> dict[str, Any]:
         "node_id": int(state.node_id),
         "enabled": bool(state.enabled),
         "model_version": int(state.model_version),
-        "est_comm_time_s": {str(int(k)): float(v) for k, v in state.est_comm_time_s.items()},
+        # 4 significant digits: the estimates are EWMAs, and they ride on every frame.
+        "est_comm_time_s": {
+            str(int(k)): float(f"{float(v):.4g}") for k, v in state.est_comm_time_s.items()
+        },
         "steps_per_s": float(state.steps_per_s),
     }
 
@@ -157,19 +178,27 @@ def encode_frame(
     sender: int,
     state: PeerState,
     tensors: Mapping[str, torch.Tensor] | None = None,
+    *,
+    link: LinkHeader | None = None,
+    update: bytes = b"",
 ) -> bytes:
     """Serialise one frame.
 
     Parameters
     ----------
     kind : FrameKind
-        Frame kind; only MODEL frames may carry tensors.
+        Frame kind; only MODEL frames may carry tensors, only DELTA frames a link
+        header and an update.
     sender : int
         Sender node id.
     state : PeerState
         Sender's current state.
     tensors : Mapping[str, torch.Tensor], optional
         Named tensors for a MODEL frame.
+    link : LinkHeader, optional
+        The link header of a DELTA frame (required for DELTA).
+    update : bytes
+        The :func:`~fedddl.compression.encode_update` message of a DELTA frame.
 
     Returns
     -------
@@ -179,6 +208,8 @@ def encode_frame(
     tensors = tensors or {}
     if kind is not FrameKind.MODEL and tensors:
         raise ValueError(f"only MODEL frames carry tensors, got {len(tensors)} for {kind.name}")
+    if (kind is FrameKind.DELTA) != (link is not None) or (update and link is None):
+        raise ValueError("a DELTA frame needs a link header and an update; others have neither")
     specs: list[dict[str, Any]] = []
     chunks: list[bytes] = []
     for name, tensor in tensors.items():
@@ -188,10 +219,15 @@ def encode_frame(
         array = tensor.detach().cpu().contiguous().numpy()
         specs.append({"name": name, "dtype": dtype_name, "shape": list(array.shape)})
         chunks.append(array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes())
-    header = json.dumps(
-        {"sender": int(sender), "state": peer_state_to_json(state), "tensors": specs},
-        separators=(",", ":"),
-    ).encode()
+    fields: dict[str, Any] = {
+        "sender": int(sender), "state": peer_state_to_json(state), "tensors": specs
+    }
+    if link is not None:
+        fields["link"] = {
+            "base": link.base, "seq": link.seq, "key": link.key, "gains": list(link.gains)
+        }
+        chunks = [bytes(update)]
+    header = json.dumps(fields, separators=(",", ":")).encode()
     payload = b"".join(chunks)
     crc = crc32_of((header, payload))
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, int(kind), 0, len(header), len(payload), crc)
@@ -247,13 +283,37 @@ def decode_frame(data: bytes, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame
     check_crc("gossip frame", body, crc, error=WireError)
     header = _parse_header(bytes(body[:header_len]))
     kind = FrameKind(kind_value)
-    tensors = _parse_tensors(header["tensors"], body[header_len:], payload_len)
-    if kind is not FrameKind.MODEL and tensors:
-        raise WireError(f"{kind.name} frame must not carry tensors")
     state = peer_state_from_json(header["state"])
     if state.node_id != header["sender"]:
         raise WireError(f"sender {header['sender']} does not match its state's id {state.node_id}")
+    if kind is FrameKind.DELTA:
+        if header["tensors"]:
+            raise WireError("DELTA frame must not carry raw tensors")
+        link = _parse_link(header.get("link"))
+        update = bytes(body[header_len:])
+        return Frame(kind=kind, sender=header["sender"], state=state, link=link, update=update)
+    if "link" in header:
+        raise WireError(f"{kind.name} frame must not carry a link header")
+    tensors = _parse_tensors(header["tensors"], body[header_len:], payload_len)
+    if kind is not FrameKind.MODEL and tensors:
+        raise WireError(f"{kind.name} frame must not carry tensors")
     return Frame(kind=kind, sender=header["sender"], state=state, tensors=tensors)
+
+
+def _parse_link(obj: object) -> LinkHeader:
+    if not isinstance(obj, dict):
+        raise WireError("DELTA frame lacks its link header object")
+    base, seq, key, gains = obj.get("base"), obj.get("seq"), obj.get("key"), obj.get("gains")
+    if not isinstance(base, str) or not _is_int(seq) or not isinstance(key, bool):
+        raise WireError(f"link header needs base (str), seq (int), key (bool), got {obj!r}")
+    if not isinstance(gains, list) or not all(
+        isinstance(g, (int, float)) and not isinstance(g, bool) for g in gains
+    ):
+        raise WireError("link header gains must be a list of numbers")
+    try:
+        return LinkHeader(base, seq, key, tuple(float(g) for g in gains))
+    except ValueError as exc:
+        raise WireError(f"bad link header: {exc}") from None
 
 
 def _is_int(value: object) -> TypeGuard[int]:

@@ -20,9 +20,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from fedddl.gossip.peer_files import METRICS_FILE, NODE_FILE, read_json, wait_for_json, write_peers
+from fedddl.models import create_model
+from tests.support.gossip_nodes import model_frame, raw_send
 
 pytestmark = pytest.mark.e2e
 
@@ -46,7 +49,7 @@ class PeerProcesses:
         self.procs[node] = subprocess.Popen(
             [sys.executable, "-m", "fedddl.gossip.peer", "--node-id", str(node),
              "--num-nodes", str(num_nodes), "--bind", "127.0.0.1:0", "--state-dir", str(state),
-             "--max-lifetime-s", "170", "--log-level", "INFO", *extra],
+             "--max-lifetime-s", "170", "--log-level", "INFO", "--insecure", *extra],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         log.close()
@@ -60,8 +63,9 @@ class PeerProcesses:
         content = read_json(self.state_dir(node) / METRICS_FILE)
         return content if isinstance(content, dict) else {}
 
-    def log(self, node: int) -> str:
-        return (self.state_dir(node) / "peer.log").read_text(errors="replace")[-3000:]
+    def log(self, node: int, *, whole: bool = False) -> str:
+        text = (self.state_dir(node) / "peer.log").read_text(errors="replace")
+        return text if whole else text[-3000:]
 
     def kill_all(self) -> None:
         for proc in self.procs.values():
@@ -102,6 +106,15 @@ def test_four_peers_learn_together_and_survive_dead_nodes(peers: PeerProcesses) 
     # kill it hard; stop node 2 gracefully with SIGTERM.
     _wait(lambda: all(peers.metrics(i).get("steps", 0) >= 40 for i in range(n)), 90,
           "all nodes to reach step 40")
+    # An outsider (plaintext here, so no certificate identity) claims to be a stranger,
+    # then node 1 with absurd weights: refused every time, counted per peer and reason
+    # in node 0's metrics file, logged once per (peer, reason).
+    absurd = {k: v + 1e6 for k, v in create_model("digits", seed=1).state_dict().items()}
+    for _ in range(3):
+        stranger = raw_send(addresses[0], model_frame(absurd, 7))
+        assert stranger[0] == grpc.StatusCode.PERMISSION_DENIED, stranger
+        spoofed = raw_send(addresses[0], model_frame(absurd, 1))
+        assert spoofed[0] == grpc.StatusCode.INVALID_ARGUMENT, spoofed
     hung, stopped = peers.procs[3], peers.procs[2]
     os.kill(hung.pid, signal.SIGSTOP)
     time.sleep(1.5)
@@ -137,5 +150,11 @@ def test_four_peers_learn_together_and_survive_dead_nodes(peers: PeerProcesses) 
         assert len(others) >= 2 and node not in others, summary
         assert m["merged"] > 0 and m["bytes_received"] > 0 and m["bytes_sent"] > 0, summary
         assert [a["step"] for a in m["accuracy"]][:2] == [0, 50], summary
+    rejections = survivors[0]["rejections"]
+    assert rejections["node 7"] == {"unknown-sender": 3}, rejections
+    assert rejections["node 1"].get("weight-range") == 3, rejections
+    lines = [line for line in peers.log(0, whole=True).splitlines() if "rejected frame" in line]
+    assert sum("from node 7" in line for line in lines) == 1, lines
+    assert sum("from node 1" in line and "'weight-range'" in line for line in lines) == 1, lines
     # Somebody tried the hung or dead node, timed out or was refused, and moved on.
     assert sum(m["send_failures"] for m in survivors) >= 1
