@@ -75,3 +75,21 @@ def fedddl_warnings() -> Iterator[list[str]]:
         yield lines
     finally:
         logger.removeHandler(handler)
+
+
+@pytest.fixture(autouse=True)
+def _fedddl_logger_restored() -> Iterator[None]:
+    """Give every test the ``"fedddl"`` logger as it found it.
+
+    Building a TernGrad strategy routes the logger to Flower's and stops its propagation
+    (``fedddl.flower.logs``); left in place, a later test's ``caplog`` (which pytest also
+    attaches to every non-propagating logger) would see each record twice.
+    """
+    import logging
+
+    logger = logging.getLogger("fedddl")
+    handlers, propagate, level = list(logger.handlers), logger.propagate, logger.level
+    yield
+    logger.handlers[:] = handlers
+    logger.propagate = propagate
+    logger.setLevel(level)
