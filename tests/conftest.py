@@ -79,17 +79,24 @@ def fedddl_warnings() -> Iterator[list[str]]:
 
 @pytest.fixture(autouse=True)
 def _fedddl_logger_restored() -> Iterator[None]:
-    """Give every test the ``"fedddl"`` logger as it found it.
+    """Run every test with the ``"fedddl"`` logger in its default state, and put it back after.
 
-    Building a TernGrad strategy routes the logger to Flower's and stops its propagation
-    (``fedddl.flower.logs``); left in place, a later test's ``caplog`` (which pytest also
-    attaches to every non-propagating logger) would see each record twice.
+    Building a TernGrad strategy (also in module-scoped fixtures, which run before this
+    one) routes the logger to Flower's and stops its propagation (``fedddl.flower.logs``);
+    left in place, a later test's ``caplog`` (which pytest also attaches to every
+    non-propagating logger) would see each record twice.
     """
     import logging
 
+    from fedddl.flower.logs import _ToFlower
+
     logger = logging.getLogger("fedddl")
-    handlers, propagate, level = list(logger.handlers), logger.propagate, logger.level
+
+    def reset() -> None:
+        logger.handlers[:] = [h for h in logger.handlers if not isinstance(h, _ToFlower)]
+        logger.propagate = True
+        logger.setLevel(logging.NOTSET)
+
+    reset()
     yield
-    logger.handlers[:] = handlers
-    logger.propagate = propagate
-    logger.setLevel(level)
+    reset()
