@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -57,9 +58,9 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
         torch.set_num_threads(before)
 
 
-@pytest.fixture()
-def fedddl_warnings() -> Iterator[list[str]]:
-    """Messages of the WARNING (and above) records logged under ``fedddl`` during the test."""
+@contextmanager
+def collected_warnings(logger_name: str) -> Iterator[list[str]]:
+    """Messages of the WARNING (and above) records logged under ``logger_name`` meanwhile."""
     import logging
 
     lines: list[str] = []
@@ -69,12 +70,26 @@ def fedddl_warnings() -> Iterator[list[str]]:
             lines.append(record.getMessage())
 
     handler = Collect(level=logging.WARNING)
-    logger = logging.getLogger("fedddl")
+    logger = logging.getLogger(logger_name)
     logger.addHandler(handler)
     try:
         yield lines
     finally:
         logger.removeHandler(handler)
+
+
+@pytest.fixture()
+def fedddl_warnings() -> Iterator[list[str]]:
+    """WARNING messages of the ``"fedddl"`` logger during the test."""
+    with collected_warnings("fedddl") as lines:
+        yield lines
+
+
+@pytest.fixture()
+def flwr_warnings() -> Iterator[list[str]]:
+    """WARNING messages of Flower's ``"flwr"`` logger during the test."""
+    with collected_warnings("flwr") as lines:
+        yield lines
 
 
 @pytest.fixture(autouse=True)

@@ -8,9 +8,8 @@ replica must equal the server's shadow replica.
 
 from __future__ import annotations
 
-import logging
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
@@ -209,23 +208,6 @@ def test_twenty_percent_faulty_clients_per_round_still_converge_and_agree() -> N
         assert st.replica is not None, node
         assert st.replica.version == strategy.shadow.version
         assert st.replica.fingerprint() == target, node
-
-
-@pytest.fixture()
-def flwr_warnings() -> Iterator[list[str]]:
-    lines: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    handler = Collect(level=logging.WARNING)
-    logger = logging.getLogger("flwr")
-    logger.addHandler(handler)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)
 
 
 def test_round_with_fewer_valid_replies_than_min_replies_applies_nothing(

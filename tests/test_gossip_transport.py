@@ -13,7 +13,6 @@ from fedddl.gossip.estimator import CommTimeEstimator
 from fedddl.gossip.peer_node import NodeConfig, PeerNode, TrainingData
 from fedddl.gossip.scheduler import PeerState
 from fedddl.gossip.transport import (
-    EXCHANGE_METHOD,
     LinkDelay,
     LinkShaper,
     PeerClient,
@@ -21,8 +20,9 @@ from fedddl.gossip.transport import (
     TransportError,
     parse_shaper_spec,
 )
-from fedddl.gossip.wire import FrameKind, decode_frame, encode_frame
+from fedddl.gossip.wire import FrameKind, encode_frame
 from fedddl.models import create_model
+from tests.support.gossip_nodes import raw_send
 
 MAX_FRAME = 200_000
 
@@ -58,18 +58,6 @@ def receiver() -> Iterator[PeerNode]:
     node.stop(grace_s=0)
 
 
-def _raw_send(address: str, data: bytes) -> tuple[grpc.StatusCode, str]:
-    with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", -1)]) as ch:
-        call = ch.unary_unary(EXCHANGE_METHOD, request_serializer=None, response_deserializer=None)
-        try:
-            reply = call(data, timeout=10)
-        except grpc.RpcError as exc:
-            assert isinstance(exc, grpc.Call)
-            return exc.code(), exc.details() or ""
-    assert decode_frame(reply).kind is FrameKind.ACK
-    return grpc.StatusCode.OK, ""
-
-
 def _model_frame(tensors: dict[str, torch.Tensor], sender: int = 1) -> bytes:
     return encode_frame(FrameKind.MODEL, sender, PeerState(sender, True, 5), tensors)
 
@@ -102,7 +90,7 @@ def test_bad_frames_get_an_error_status_and_leave_the_model_untouched(
     }
     before = receiver.fingerprint()
     for name, (data, code, reason) in cases.items():
-        got_code, details = _raw_send(receiver.server.address, data)
+        got_code, details = raw_send(receiver.server.address, data)
         assert got_code == code, (name, got_code, details)
         assert reason in details, (name, details)
         assert receiver.merge_pending() == 0, name
@@ -122,7 +110,7 @@ def test_bad_frames_get_an_error_status_and_leave_the_model_untouched(
     assert not any("checksum" in line for line in lines)
 
     # The same service does accept and merge a good frame: the checks above could fail.
-    assert _raw_send(receiver.server.address, good)[0] == grpc.StatusCode.OK
+    assert raw_send(receiver.server.address, good)[0] == grpc.StatusCode.OK
     assert receiver.merge_pending() == 1
     assert receiver.fingerprint() != before
     assert receiver.metrics()["received_from"] == {"1": 1}
