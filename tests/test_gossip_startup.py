@@ -46,7 +46,10 @@ def test_frames_before_the_peer_list_are_held_then_admitted() -> None:
 
 
 def test_a_node_that_gets_its_peer_list_late_loses_nothing() -> None:
-    early, late = make_node(1, steps=60, min_step_s=0.01), make_node(0, steps=60, min_step_s=0.01)
+    # The early node trains at least 2 s, so it is still running (and receiving) when the
+    # late one starts 0.5 s after it, however loaded the machine is.
+    early = make_node(1, steps=200, min_step_s=0.01)
+    late = make_node(0, steps=60, min_step_s=0.01)
     for node in (early, late):
         node.serve()
     addresses = {0: late.server.address, 1: early.server.address}
