@@ -5,7 +5,7 @@ together cover ``range(len(labels))`` exactly once; the same seed gives the same
 
 ``StratifiedPartitioner`` (the same stratified split as a Flower Datasets
 ``Partitioner``, for ``FederatedDataset(..., partitioners={"train": ...})``) is named here
-but lives in :mod:`fedddl.stratified_partitioner`, imported on first use: it needs the
+but lives in :mod:`fedddl.flower.stratified_partitioner`, imported on first use: it needs the
 optional ``flwr-datasets`` package, this module does not.
 """
 
@@ -19,7 +19,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 if TYPE_CHECKING:  # at run time: module __getattr__ below (flwr-datasets is optional)
-    from fedddl.stratified_partitioner import StratifiedPartitioner as StratifiedPartitioner
+    from fedddl.flower.stratified_partitioner import StratifiedPartitioner as StratifiedPartitioner
 
 __all__ = [
     "PARTITION_METHODS",
@@ -40,7 +40,7 @@ def __getattr__(name: str) -> Any:
     if name != "StratifiedPartitioner":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     try:
-        from fedddl.stratified_partitioner import StratifiedPartitioner
+        from fedddl.flower.stratified_partitioner import StratifiedPartitioner
     except ImportError as err:
         raise ImportError(
             f"StratifiedPartitioner needs flwr-datasets ({err}); install it with "

@@ -127,7 +127,7 @@ def test_core_does_not_need_flwr_datasets(monkeypatch: pytest.MonkeyPatch) -> No
     assert not any("stratified_partitioner" in ast.dump(n) for n in top_level)
     for name in [m for m in sys.modules if m.split(".")[0] == "flwr_datasets"]:
         monkeypatch.setitem(sys.modules, name, None)  # "not installed"
-    monkeypatch.delitem(sys.modules, "fedddl.stratified_partitioner")
+    monkeypatch.delitem(sys.modules, "fedddl.flower.stratified_partitioner")
     partition = importlib.import_module("fedddl.partition")
     assert partition.stratified_shards([0, 1, 0, 1], 2)
     with pytest.raises(ImportError, match=r"pip install 'fedddl\[datasets\]'"):
