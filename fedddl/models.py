@@ -199,16 +199,9 @@ def load_model_factory(spec: str) -> Callable[[tuple[int, int, int], int], nn.Mo
     ValueError
         If the spec is malformed or the module or function cannot be found.
     """
-    import importlib
+    from fedddl.import_spec import import_attribute
 
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"model {spec!r} must look like 'package.module:factory'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"model {spec!r}: cannot import {module_name!r}: {err}") from err
-    factory = getattr(module, attr, None)
+    factory, module_name, attr = import_attribute(spec, "model", "package.module:factory")
     if not callable(factory):
         raise ValueError(f"model {spec!r}: {attr!r} is not a callable in {module_name!r}")
     return factory  # type: ignore[no-any-return]

@@ -7,13 +7,13 @@ else with ``Class()``.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 from flwr.serverapp.strategy import FedAvg, Strategy
 from torch import nn
 
 from fedddl.app_config import AppConfig
+from fedddl.import_spec import import_attribute
 from strategies.gradient_average import GradientAverage
 from strategies.terngrad import TernGrad
 
@@ -28,14 +28,7 @@ def load_strategy_class(spec: str) -> type[Strategy]:
     ValueError
         If the spec is malformed, the module or class is missing, or it is not a Strategy.
     """
-    module_name, sep, class_name = spec.partition(":")
-    if not sep or not module_name or not class_name:
-        raise ValueError(f"strategy {spec!r} must look like 'package.module:Class'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"strategy {spec!r}: cannot import {module_name!r}: {err}") from err
-    cls = getattr(module, class_name, None)
+    cls, _, class_name = import_attribute(spec, "strategy", "package.module:Class")
     if not isinstance(cls, type) or not issubclass(cls, Strategy):
         raise ValueError(f"strategy {spec!r}: {class_name!r} is not a flwr Strategy subclass")
     return cls

@@ -11,7 +11,6 @@ The loader runs in the server and in every client: it must return the same data 
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
@@ -20,6 +19,7 @@ import torch
 
 from fedddl.data.in_memory import InMemoryImageDataset
 from fedddl.data.labelled import LabelledImageDataset
+from fedddl.import_spec import import_attribute
 
 __all__ = ["is_custom", "load_custom", "load_custom_info"]
 
@@ -30,14 +30,7 @@ def is_custom(name: str) -> bool:
 
 
 def _loader(spec: str) -> Callable[..., Any]:
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"dataset {spec!r} must look like 'package.module:loader'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"dataset {spec!r}: cannot import {module_name!r}: {err}") from err
-    loader = getattr(module, attr, None)
+    loader, module_name, attr = import_attribute(spec, "dataset", "package.module:loader")
     if not callable(loader):
         raise ValueError(f"dataset {spec!r}: {attr!r} is not a callable in {module_name!r}")
     return loader  # type: ignore[no-any-return]
