@@ -17,7 +17,14 @@ from fedddl.gossip.peer import main as peer_main
 from fedddl.gossip.peer_node import NodeConfig, PeerNode
 from fedddl.gossip.tls import PeerTls, node_id_of_certificate
 from fedddl.models import create_model
-from tests.support.gossip_nodes import issue_certs, make_node, model_frame, raw_send, tiny_data
+from tests.support.gossip_nodes import (
+    issue_certs,
+    make_node,
+    model_frame,
+    raw_send,
+    run_to_completion,
+    tiny_data,
+)
 
 
 @pytest.fixture(scope="module")
@@ -154,18 +161,7 @@ def test_secure_compressed_nodes_learn_together(
                   data=TrainingData(x[i::3], y[i::3], x_test, y_test))
         for i in range(3)
     ]
-    for node in nodes:
-        node.serve()
-    addresses = {n.node_id: n.server.address for n in nodes}
-    try:
-        for node in nodes:
-            node.set_peers(addresses)
-        for node in nodes:
-            node.start_training()
-        assert all(node.wait_done(120) for node in nodes)
-    finally:
-        for node in nodes:
-            node.stop(grace_s=0)
+    assert run_to_completion(nodes, timeout_s=120)
     model_bytes = sum(v.numel() * 4 for v in nodes[0].model.state_dict().values())
     for node in nodes:
         m = node.metrics()

@@ -22,7 +22,7 @@ from fedddl.gossip.transport import (
 )
 from fedddl.gossip.wire import FrameKind, encode_frame
 from fedddl.models import create_model
-from tests.support.gossip_nodes import raw_send
+from tests.support.gossip_nodes import raw_send, run_to_completion
 
 MAX_FRAME = 200_000
 
@@ -147,18 +147,7 @@ def test_scheduled_node_learns_a_slow_link_and_prefers_the_fast_one() -> None:
     slow_link = LinkShaper(per_peer={2: LinkDelay(latency_s=0.1)})
     nodes = [_node(i, steps=80, min_step_s=0.01, scheduler="scheduled") for i in range(3)]
     nodes[0].shaper = slow_link
-    for node in nodes:
-        node.serve()
-    addresses = {n.node_id: n.server.address for n in nodes}
-    try:
-        for node in nodes:
-            node.set_peers(addresses)
-        for node in nodes:
-            node.start_training()
-        assert all(node.wait_done(60) for node in nodes)
-    finally:
-        for node in nodes:
-            node.stop(grace_s=0)
+    assert run_to_completion(nodes, timeout_s=60)
     m0 = nodes[0].metrics()
     assert m0["mean_transfer_s"]["2"] >= 0.1
     assert m0["mean_transfer_s"]["2"] > m0["mean_transfer_s"]["1"] + 0.05

@@ -80,3 +80,22 @@ def raw_send(
             return exc.code(), exc.details() or ""
     assert decode_frame(reply).kind is FrameKind.ACK
     return grpc.StatusCode.OK, ""
+
+
+def run_to_completion(nodes: list[PeerNode], timeout_s: float) -> bool:
+    """Serve ``nodes``, give each the others' addresses, train them all, stop them.
+
+    Returns whether every node finished its steps within ``timeout_s`` (each).
+    """
+    for node in nodes:
+        node.serve()
+    addresses = {n.node_id: n.server.address for n in nodes}
+    try:
+        for node in nodes:
+            node.set_peers(addresses)
+        for node in nodes:
+            node.start_training()
+        return all(node.wait_done(timeout_s) for node in nodes)
+    finally:
+        for node in nodes:
+            node.stop(grace_s=0)
