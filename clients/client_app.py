@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-from flwr.app import ArrayRecord, Context, Message
+from flwr.app import ArrayRecord, Context, Message, MetricRecord
 from flwr.clientapp import ClientApp
 
 from clients.fedavg_client import handle_fedavg_evaluate, handle_fedavg_train
@@ -28,6 +28,7 @@ from fedddl.flower.protocol import (
     METRICS,
     is_localized_train,
 )
+from fedddl.flower.records import record_of
 from fedddl.flower.roll_call import ACTION as ROLL_CALL
 
 __all__ = ["app", "handle_train", "make_client_app"]
@@ -45,7 +46,7 @@ def handle_train(message: Message, context: Context, cfg: AppConfig) -> Message:
     start = time.perf_counter()
     reply = _dispatch(message, context, cfg)
     if os.environ.get("FEDDDL_CLIENT_TIMING") == "1" and not reply.has_error():
-        metrics = reply.content.metric_records.get(METRICS)
+        metrics = record_of(reply.content, METRICS, MetricRecord)
         if metrics is not None:
             metrics[CLIENT_SECONDS] = time.perf_counter() - start
             metrics[CLIENT_CACHED] = cached_clients()

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from clients.shard import load_shard, partition_of
 from fedddl.app_config import AppConfig
 from fedddl.devices import resolve_device
 from fedddl.flower.protocol import FEDAVG_ARRAYS
+from fedddl.flower.records import record_of
 from fedddl.seeding import derive_seed
 
 __all__ = ["handle_fedavg_evaluate", "handle_fedavg_train"]
 
 
 def _model_from(message: Message, cfg: AppConfig) -> torch.nn.Module:
-    arrays = message.content.array_records.get(FEDAVG_ARRAYS)
+    arrays = record_of(message.content, FEDAVG_ARRAYS, ArrayRecord)
     if arrays is None:
         raise ValueError(f"FedAvg message has no {FEDAVG_ARRAYS!r} ArrayRecord")
     model = cfg.model_factory(device=resolve_device(cfg.device))()
@@ -30,7 +31,7 @@ def handle_fedavg_train(message: Message, context: Context, cfg: AppConfig) -> M
     model = _model_from(message, cfg)
     pid, num = partition_of(context.node_config)
     x, y = load_shard(cfg, pid, num)
-    config = message.content.config_records.get("config")
+    config = record_of(message.content, "config", ConfigRecord)
     server_round = int(config.get("server-round", 0)) if config is not None else 0  # type: ignore[arg-type]
     generator = torch.Generator().manual_seed(derive_seed(cfg.seed, pid, server_round, 3))
     batches = iterate_minibatches(x, y, min(cfg.batch_size, x.shape[0]), generator)

@@ -29,13 +29,13 @@ import math
 import time
 from collections.abc import Iterable
 
-from flwr.app import Message, RecordDict
+from flwr.app import Message, MetricRecord, RecordDict
 from flwr.proto.node_pb2 import NodeInfo
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 
 from fedddl.flower.protocol import CLIENT_CACHED, CLIENT_SECONDS, METRICS
-from fedddl.flower.records import content_nbytes
+from fedddl.flower.records import content_nbytes, record_of
 
 __all__ = [
     "DEFAULT_POLL_INTERVAL_S",
@@ -174,7 +174,7 @@ class CountingGrid(DelegatingGrid):
         self.bytes_up += self._count(pairs, self.bytes_up_by_node)
         self.messages_up += len(replies)
         for r in ok:
-            metrics = r.content.metric_records.get(METRICS)
+            metrics = record_of(r.content, METRICS, MetricRecord)
             value = None if metrics is None else metrics.get(CLIENT_SECONDS)
             if isinstance(value, float) and 0 <= value < math.inf:  # a client's claim
                 self.client_s += value

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from flwr.app import Message, MetricRecord, RecordDict
 
+from fedddl.flower.records import record_of
+
 __all__ = ["ACTION", "MESSAGE_TYPE", "build_roll_call_reply", "parse_roll_call_reply"]
 
 ACTION = "roll_call"
@@ -38,7 +40,7 @@ def parse_roll_call_reply(message: Message) -> int:
     """
     if message.has_error():
         raise ValueError(f"roll call: node replied with error: {message.error.reason}")
-    record = message.content.metric_records.get(RECORD)
+    record = record_of(message.content, RECORD, MetricRecord)
     value = None if record is None else record.get(PARTITION_ID)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"roll call: reply lacks an int {PARTITION_ID!r}")

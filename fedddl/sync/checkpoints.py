@@ -21,7 +21,7 @@ import torch
 from fedddl.checkpoint import CheckpointError, ServerCheckpoint
 from fedddl.compression import PayloadError, ResidualMemory
 from fedddl.compression.downlink import decode_broadcast
-from fedddl.replica import Replica, ReplicaError, UpdateLog, check_update
+from fedddl.replica import Replica, ReplicaError, UpdateLog
 
 __all__ = ["Restored", "capture", "load"]
 
@@ -117,7 +117,7 @@ def load(
         )
     for version, payload in entries:
         try:
-            check_update(shadow.model, decode_broadcast(payload))
+            shadow.check_update(decode_broadcast(payload))
         except (PayloadError, ReplicaError) as err:
             raise CheckpointError(f"checkpoint update log: version {version}: {err}") from err
     log = UpdateLog(log_capacity)
