@@ -16,13 +16,25 @@ Records:
 * ``"fedddl.journal"`` ArrayRecord: ``"v<k>"`` → the encoded update producing version k;
 * ``"fedddl.residual"`` ArrayRecord: error-feedback residuals (when enabled);
 * ``"fedddl.meta"`` ConfigRecord: ``version``, ``saved-version`` (the snapshot's),
-  the uplink ``compressor`` name and a random ``token`` naming this saved state.
+  the uplink ``compressor`` name, a random ``token`` naming this saved state and a random
+  ``lineage`` naming the chain of replicas it descends from (new whenever the replica
+  starts afresh or from a server snapshot; kept when the journal is folded into a new
+  snapshot, which changes the records but not the replica).
 
 As a speed-up, the live objects saved last are also kept in this process, one entry per
-client (``key``: run and node id): :func:`load_state` takes them back only when the token
-and version in ``context.state`` match, and removes them from the cache meanwhile, so a
-handler that fails half-way can never leave a modified replica behind. A process serving
-many clients (a simulation actor) therefore holds at most one replica per client.
+client (``key``: run and node id), and :func:`load_state` removes them from the cache
+while a handler runs, so a handler that fails half-way can never leave a modified replica
+behind. A process serving many clients (a simulation actor) therefore holds at most one
+replica per client. The cached replica is taken back
+
+* as it is when the token and version in ``context.state`` match (this process saved the
+  state last), or
+* *caught up* when another process served the client since (Flower's simulation actors
+  have no client affinity): same lineage, a version between the snapshot's and the saved
+  one, and the journal holds every later update. Every replica of a lineage at version k
+  is the global model at version k, so applying the journaled updates after its version
+  gives bit for bit the replica a rebuild from the snapshot gives, without rebuilding.
+  Anything that does not apply falls back to the rebuild.
 """
 
 from __future__ import annotations
@@ -60,7 +72,7 @@ BLOB_KEY = "blob"
 #: Encoded updates journaled before a full snapshot is written again.
 JOURNAL_LIMIT = 8
 _CACHE_SIZE = 256
-_live: OrderedDict[Hashable, tuple[str, WorkerState]] = OrderedDict()
+_live: OrderedDict[Hashable, tuple[str, str, WorkerState]] = OrderedDict()
 
 #: Deprecated alias of :class:`fedddl.sync.worker.WorkerState` (kept for one release).
 ClientState = WorkerState
@@ -99,39 +111,70 @@ def load_state(
     version, saved, token = meta.get("version"), meta.get("saved-version"), meta.get("token")
     if not isinstance(version, int) or not isinstance(saved, int) or not 0 <= saved <= version:
         raise ValueError(f"context.state has bad versions {version!r} / {saved!r}")
+    compressor = meta.get("compressor")
+    name = compressor if isinstance(compressor, str) else None
     entry = _live.pop(key, None) if key is not None else None
-    if entry is not None and entry[0] == token:
-        cached = entry[1]
+    if entry is not None:
+        cached_token, lineage, cached = entry
+        replica = cached.replica
         if (
-            cached.replica is not None
-            and cached.replica.version == version
-            and cached.replica.learning_rate == learning_rate
-            and cached.replica.momentum == momentum
+            replica is not None
+            and replica.learning_rate == learning_rate
+            and replica.momentum == momentum
         ):
-            return cached
+            if cached_token == token and replica.version == version:
+                return cached
+            if lineage == meta.get("lineage") and saved <= replica.version < version:
+                caught_up = _catch_up(replica, state, saved, version)
+                if caught_up is not None:
+                    return WorkerState(replica, name, ResidualMemory(residuals), caught_up, saved)
     replica = Replica(model_fn(), learning_rate, momentum, version=0)
     blob = snapshot.get(BLOB_KEY)
     if blob is None:
         raise ValueError("context.state replica record has no 'blob' Array")
     replica.load_snapshot(unpack_tensors(blob, layout), saved)
-    journal = _replay(replica, record_of(state, JOURNAL_KEY, ArrayRecord))
-    compressor = meta.get("compressor")
-    name = compressor if isinstance(compressor, str) else None
+    journal = _replay(replica, _journal_entries(state))
     return WorkerState(replica, name, ResidualMemory(residuals), journal, saved)
 
 
-def _replay(replica: Replica, record: ArrayRecord | None) -> list[tuple[int, bytes]]:
+def _journal_entries(state: RecordDict) -> list[tuple[int, bytes]]:
+    """The journaled ``(version, payload)`` pairs in ``context.state``, oldest first."""
+    record = record_of(state, JOURNAL_KEY, ArrayRecord)
+    return sorted(
+        (int(k[1:]), array_to_bytes(a))
+        for k, a in (record or {}).items()
+        if k.startswith("v") and k[1:].isdigit()
+    )
+
+
+def _catch_up(
+    replica: Replica, state: RecordDict, saved: int, version: int
+) -> list[tuple[int, bytes]] | None:
+    """Apply the journaled updates after ``replica.version`` up to ``version``.
+
+    Returns the whole journal (every update since ``saved``), or None when the journal is
+    not exactly the updates ``saved + 1 .. version`` or one of them does not apply (the
+    replica may then be half-way: the caller rebuilds from the snapshot).
+    """
+    entries = _journal_entries(state)
+    if [v for v, _ in entries] != list(range(saved + 1, version + 1)):
+        return None
+    for number, payload in entries[replica.version - saved :]:
+        try:
+            update, statistics = decode_broadcast_parts(payload)
+            replica.apply_update(update, number, statistics)
+        except (PayloadError, ReplicaError):
+            return None
+    return entries
+
+
+def _replay(replica: Replica, entries: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
     """Apply the journaled updates in order; stop at the first that does not apply.
 
     A replica left behind the saved version is not an error: the client reports the
     version it reached and the server catches it up.
     """
     applied: list[tuple[int, bytes]] = []
-    entries = sorted(
-        (int(k[1:]), array_to_bytes(a))
-        for k, a in (record or {}).items()
-        if k.startswith("v") and k[1:].isdigit()
-    )
     for version, payload in entries:
         if version != replica.version + 1:
             break
@@ -161,6 +204,10 @@ def save_state(state: RecordDict, client: WorkerState, *, key: Hashable | None =
         and client.saved_version + len(client.journal) == replica.version
         and record_of(state, LAYOUT_KEY, ConfigRecord) is not None
     )
+    old_meta = record_of(state, META_KEY, ConfigRecord)
+    lineage = None if old_meta is None else old_meta.get("lineage")
+    if client.saved_version is None or not isinstance(lineage, str):
+        lineage = uuid.uuid4().hex  # a fresh replica or a server snapshot starts a lineage
     journal = record_of(state, JOURNAL_KEY, ArrayRecord)
     if not journal_ok or journal is None:
         if not journal_ok:
@@ -177,12 +224,14 @@ def save_state(state: RecordDict, client: WorkerState, *, key: Hashable | None =
             journal[name] = bytes_to_array(payload)
     token = uuid.uuid4().hex
     saved = replica.version if client.saved_version is None else client.saved_version
-    meta = ConfigRecord({"version": replica.version, "saved-version": saved, "token": token})
+    meta = ConfigRecord(
+        {"version": replica.version, "saved-version": saved, "token": token, "lineage": lineage}
+    )
     if client.compressor is not None:
         meta["compressor"] = client.compressor
     state[META_KEY] = meta
     if key is not None:
-        _live[key] = (token, client)
+        _live[key] = (token, lineage, client)
         _live.move_to_end(key)
         while len(_live) > _CACHE_SIZE:
             _live.popitem(last=False)

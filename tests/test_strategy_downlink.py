@@ -86,3 +86,19 @@ def test_reencoded_identity_is_lossless_and_tagged() -> None:
         assert torch.equal(out[k], agg[k])
     with pytest.raises(PayloadError):
         decode_broadcast(data[:-1])
+
+
+def test_add_statistics_extends_a_bundle_instead_of_nesting_it() -> None:
+    from fedddl.compression.downlink import add_statistics, decode_broadcast_parts, encode_bundle
+
+    exact = encode_shared_sum({"w": torch.tensor([1, -2, 0])}, {"w": 0.5}, {"w": (3,)}, 2)
+    bundle = encode_bundle(exact, dense={"b": torch.tensor([0.25])})
+    stats = {"bn.mean": torch.tensor([1.0, 2.0])}
+    both = add_statistics(bundle, stats)
+    update, statistics = decode_broadcast_parts(both)
+    assert torch.equal(update["w"], torch.tensor([0.25, -0.5, 0.0]))
+    assert torch.equal(update["b"], torch.tensor([0.25]))
+    assert torch.equal(statistics["bn.mean"], stats["bn.mean"])
+    assert add_statistics(bundle, None) is bundle and add_statistics(bundle, {}) is bundle
+    with pytest.raises(ValueError, match="already carries statistics"):
+        add_statistics(both, stats)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from clients.client_app import make_client_app
 from clients.state import load_state
 from fedddl.app_config import AppConfig
 from fedddl.compression import IdentityCompressor, encode_update
+from fedddl.compression.downlink import decode_broadcast_parts
 from fedddl.flower.grid import CountingGrid
 from fedddl.flower.records import bytes_to_array
 from strategies.registry import build_strategy
@@ -230,6 +232,33 @@ def test_shared_scale_sum_downlink_after_the_first_round() -> None:
     assert {fp for _, fp in _client_fingerprints(grid, cfg).values()} == {strategy.fingerprints[3]}
     payload = strategy.log.since(3)[0][1]
     assert payload[:1] == b"S"
+
+
+@pytest.mark.parametrize("downlink", ["shared-scale-sum", "reternarize"])
+def test_every_downlink_with_batchnorm_statistics_and_fp32_logits(
+    downlink: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BatchNorm statistics, fp32 logits and the downlink in one broadcast (one bundle).
+
+    Regression: the shared-scale sum with fp32 tensors is already a bundle, and the
+    statistics were wrapped around it as a bundle inside a bundle, which no decoder takes:
+    every round after the first was skipped.
+    """
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "docs" / "examples"))
+    cfg = AppConfig(
+        num_server_rounds=4, downlink=downlink, dataset="my_task:blobs",
+        model="my_task:small_bn_cnn",
+    )  # fmt: skip
+    strategy, grid = _run(cfg, nodes=3, rounds=4)
+    assert not any(r.skipped for r in strategy.reports), [r.skip_reason for r in strategy.reports]
+    assert strategy.shadow.version == 4
+    expected = "shared-scale-sum" if downlink == "shared-scale-sum" else "encoded"
+    assert [r.downlink_format for r in strategy.reports][1:] == [expected] * 3
+    assert all(r.replicas_equal for r in strategy.reports)
+    clients = _client_fingerprints(grid, cfg).values()
+    assert set(clients) == {(3, strategy.fingerprints[3])}  # they apply update 4 next round
+    update, statistics = decode_broadcast_parts(strategy.log.since(3)[0][1])
+    assert "8.weight" in update and statistics  # fp32 logits and pooled statistics travel
 
 
 @pytest.mark.parametrize("local_steps", [1, 3])

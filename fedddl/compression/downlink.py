@@ -53,6 +53,7 @@ __all__ = [
     "TAG_BUNDLE",
     "TAG_ENCODED",
     "TAG_SHARED_SUM",
+    "add_statistics",
     "decode_broadcast",
     "decode_broadcast_parts",
     "encode_bundle",
@@ -212,15 +213,44 @@ def encode_bundle(
             sections.append((kind, encode_update(tensors, IdentityCompressor())))
     if gradient is not None and len(sections) == 1:
         return gradient
+    return _seal_bundle(sections)
+
+
+def _seal_bundle(sections: Sequence[tuple[int, bytes]]) -> bytes:
     body = [TAG_BUNDLE, struct.pack("<B", len(sections))]
     for kind, data in sections:
         body += [_SECTION.pack(kind, len(data)), data]
     return seal(b"".join(body))
 
 
-def _decode_bundle(
-    data: bytes, out: Mapping[str, torch.Tensor] | None = None
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def add_statistics(update: bytes, statistics: Mapping[str, torch.Tensor] | None) -> bytes:
+    """``update`` (any broadcast format) with ``statistics`` added as its statistics section.
+
+    A bundle gets the section added to its own (never a bundle inside a bundle, which no
+    decoder accepts); any other format becomes the gradient section of a new bundle.
+
+    Raises
+    ------
+    ValueError
+        If ``update`` already carries statistics.
+    PayloadError
+        If ``update`` is a malformed bundle.
+    """
+    if not statistics:
+        return update
+    if update[:1] != TAG_BUNDLE:
+        return encode_bundle(update, statistics=statistics)
+    from fedddl.compression.identity import IdentityCompressor
+
+    parts = _bundle_sections(update)
+    if SECTION_STATISTICS in parts:
+        raise ValueError("the update already carries statistics")
+    parts[SECTION_STATISTICS] = encode_update(statistics, IdentityCompressor())
+    return _seal_bundle(sorted(parts.items()))
+
+
+def _bundle_sections(data: bytes) -> dict[int, bytes]:
+    """The checked sections of a ``b"B"`` bundle by kind (their contents not decoded)."""
     body = unseal(_BUNDLE_WHAT, data, error=PayloadError)
     if len(body) < 2:
         raise PayloadError(f"{_BUNDLE_WHAT} is truncated")
@@ -241,6 +271,13 @@ def _decode_bundle(
         pos += length
     if pos != len(body):
         raise PayloadError(f"{_BUNDLE_WHAT}: {len(body) - pos} trailing bytes")
+    return parts
+
+
+def _decode_bundle(
+    data: bytes, out: Mapping[str, torch.Tensor] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    parts = _bundle_sections(data)
     update: dict[str, torch.Tensor] = {}
     if SECTION_GRADIENT in parts:
         inner = parts[SECTION_GRADIENT]

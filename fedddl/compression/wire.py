@@ -303,20 +303,32 @@ def _compress_split(
 
 
 class _Reader:
-    """Bounds-checked sequential reads of the header."""
+    """Bounds-checked sequential reads of the header.
+
+    ``what`` names what is read, for the error message; it is a format string completed
+    with ``args`` only when the read fails (formatting it for every field costs more than
+    the read).
+    """
 
     def __init__(self, data: memoryview, start: int, end: int) -> None:
         self.data, self.pos, self.end = data, start, end
 
-    def take(self, size: int, what: str) -> memoryview:
-        if self.pos + size > self.end:
-            raise PayloadError(f"truncated header while reading {what}")
-        view = self.data[self.pos : self.pos + size]
-        self.pos += size
+    def take(self, size: int, what: str, *args: object) -> memoryview:
+        stop = self.pos + size
+        if stop > self.end:
+            raise PayloadError(f"truncated header while reading {what.format(*args)}")
+        view = self.data[self.pos : stop]
+        self.pos = stop
         return view
 
-    def unpack(self, fmt: str, what: str) -> tuple[Any, ...]:
-        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))
+    def unpack(self, layout: struct.Struct, what: str, *args: object) -> tuple[Any, ...]:
+        return layout.unpack(self.take(layout.size, what, *args))
+
+
+_NAME_LENGTH = struct.Struct("<H")
+_ENTRY_CODES = struct.Struct("<BBB")
+_SCALE = struct.Struct("<f")
+_SHAPE_OF_NDIM = tuple(struct.Struct(f"<{n}Q") for n in range(MAX_NDIM + 1))
 
 
 def _check_prefix(view: memoryview) -> int:
@@ -354,31 +366,31 @@ def _parse_entries(
     entries = []
     seen: set[str] = set()
     for index in range(count):
-        (name_length,) = reader.unpack("<H", f"name length of entry {index}")
+        (name_length,) = reader.unpack(_NAME_LENGTH, "name length of entry {}", index)
         if name_length > MAX_NAME_BYTES:
             raise PayloadError(f"entry {index}: {name_length}-byte name exceeds {MAX_NAME_BYTES}")
         try:
-            name = bytes(reader.take(name_length, f"name of entry {index}")).decode("utf-8")
+            name = bytes(reader.take(name_length, "name of entry {}", index)).decode("utf-8")
         except UnicodeDecodeError:
             raise PayloadError(f"entry {index}: name is not valid UTF-8") from None
         if name in seen:
             raise PayloadError(f"tensor name {name!r} is repeated")
         seen.add(name)
-        dtype_code, kind, ndim = reader.unpack("<BBB", f"{name!r} header")
+        dtype_code, kind, ndim = reader.unpack(_ENTRY_CODES, "{!r} header", name)
         if dtype_code not in _DTYPE_OF_CODE:
             raise PayloadError(f"tensor {name!r}: unknown dtype code {dtype_code}")
         if kind not in (_KIND_DENSE, _KIND_2BIT, _KIND_BASE3):
             raise PayloadError(f"tensor {name!r}: unknown kind {kind}")
         if ndim > MAX_NDIM:
             raise PayloadError(f"tensor {name!r}: {ndim} dimensions exceed {MAX_NDIM}")
-        shape = tuple(reader.unpack(f"<{ndim}Q", f"shape of {name!r}"))
+        shape = tuple(reader.unpack(_SHAPE_OF_NDIM[ndim], "shape of {!r}", name))
         if any(dim > MAX_DIM for dim in shape):
             raise PayloadError(f"tensor {name!r}: a dimension of {shape} exceeds {MAX_DIM}")
         if math.prod(dim for dim in shape if dim) > _MAX_SPAN:  # torch's strides fit int64
             raise PayloadError(f"tensor {name!r}: shape {shape} spans more than 2**62 values")
         scale = 0.0
         if kind != _KIND_DENSE:
-            (raw_scale,) = reader.unpack("<f", f"scale of {name!r}")
+            (raw_scale,) = reader.unpack(_SCALE, "scale of {!r}", name)
             if not math.isfinite(raw_scale):
                 raise PayloadError(f"tensor {name!r}: non-finite scale {raw_scale}")
             if raw_scale < 0:

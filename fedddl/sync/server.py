@@ -59,6 +59,7 @@ from fedddl.compression import (
 )
 from fedddl.compression import make_compressor as build_compressor
 from fedddl.compression.downlink import (
+    add_statistics,
     decode_broadcast_parts,
     encode_bundle,
     encode_reencoded,
@@ -597,8 +598,7 @@ class ReplicaServer:
     def _apply(self, server_round: int, aggregate: Aggregate, report: RoundReport) -> None:
         """Encode, decode, apply and log the aggregate; raises before changing the shadow."""
         payload, report.downlink_format = self.encode_downlink(server_round, aggregate)
-        if aggregate.statistics:
-            payload = encode_bundle(payload, statistics=aggregate.statistics)
+        payload = add_statistics(payload, aggregate.statistics)
         update, statistics = decode_broadcast_parts(payload)  # what every client will apply
         self.shadow.apply_update(update, self.shadow.version + 1, statistics)
         self.log.append(self.shadow.version, payload)

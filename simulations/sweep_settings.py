@@ -1,0 +1,170 @@
+"""Compare run-config settings side by side: accuracy by round, bytes, over several seeds.
+
+Each ``--setting "label: key=value key=value"`` is a set of run-config keys (kebab-case,
+as in ``fedddl simulate --run-config``) applied on top of the shared ``--base`` keys; every
+setting runs once per seed on the same shards. The runs use the in-process grid of the test
+suite (the same ServerApp and ClientApp code as Flower's simulation, without Ray; replies
+in a fixed order, so a run replays exactly), ``--jobs`` runs at a time, one torch thread
+each.
+
+    python simulations/sweep_settings.py --base "dataset=fashion-mnist arch=resnet8 \\
+        num-server-rounds=200 eval-every=50 eval-samples=2000" \\
+        --setting "gradient-average: strategy=gradient-average" \\
+        --setting "terngrad: strategy=terngrad" \\
+        --setting "terngrad shared-sum: strategy=terngrad downlink=shared-scale-sum" \\
+        --seeds 0,1,2
+
+It prints one line per run as it ends, then a table: per setting and evaluated round the
+mean accuracy over seeds with its range, the mean bytes up and down per round, the mean
+run time, and each setting's final accuracy minus the first setting's (mean and per seed).
+``--json PATH`` also writes every run's rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _value(text: str) -> bool | int | float | str:
+    """A run-config value: ``true``/``false``, an int, a float, else the text itself."""
+    if text in ("true", "false"):
+        return text == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_keys(text: str) -> dict[str, Any]:
+    """``"a=1 b=x"`` → ``{"a": 1, "b": "x"}`` (no quotes needed around strings)."""
+    keys: dict[str, Any] = {}
+    for item in text.split():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"expected key=value, got {item!r}")
+        keys[key] = _value(value)
+    return keys
+
+
+def parse_setting(text: str) -> tuple[str, dict[str, Any]]:
+    """``"label: a=1 b=2"`` → ``("label", {"a": "1", "b": "2"})``."""
+    label, sep, rest = text.partition(":")
+    if not sep or not label.strip():
+        raise ValueError(f"a setting is 'label: key=value ...', got {text!r}")
+    return label.strip(), parse_keys(rest)
+
+
+def run_one(job: tuple[str, dict[str, Any], int, int]) -> dict[str, Any]:
+    """Run one setting with one seed in this process; return its rounds and summary."""
+    label, keys, seed, num_clients = job
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from clients.client_app import make_client_app
+    from fedddl.app_config import AppConfig
+    from strategies.server_app import run_server
+    from tests.support.inline_grid import InlineGrid
+
+    torch.set_num_threads(1)
+    cfg = AppConfig.from_run_config({**keys, "seed": seed})
+    cfg = cfg.replace(min_available_nodes=num_clients)
+    start = time.perf_counter()
+    result = run_server(InlineGrid(make_client_app(cfg), num_clients), cfg, progress=None)
+    curve = [(r["round"], r["accuracy"]) for r in result["rounds"] if r["accuracy"] is not None]
+    return {
+        "label": label,
+        "seed": seed,
+        "curve": curve,
+        "final_accuracy": result["final_accuracy"],
+        "bytes_up": result["summary"]["mean_bytes_up"],
+        "bytes_down": result["summary"]["mean_bytes_down"],
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def _table(runs: list[dict[str, Any]], labels: list[str]) -> list[str]:
+    lines = []
+    by_label = {label: [r for r in runs if r["label"] == label] for label in labels}
+    width = max(len(label) for label in labels) + 2
+    first = {r["seed"]: r["final_accuracy"] for r in by_label[labels[0]]}
+    for label in labels:
+        group = sorted(by_label[label], key=lambda r: r["seed"])
+        if not group:
+            continue
+        rounds = [n for n, _ in group[0]["curve"]]
+        cells = []
+        for i, n in enumerate(rounds):
+            accs = [r["curve"][i][1] for r in group if i < len(r["curve"])]
+            cells.append(f"r{n} {statistics.mean(accs):.4f} [{min(accs):.4f}, {max(accs):.4f}]")
+        up = statistics.mean(r["bytes_up"] for r in group)
+        down = statistics.mean(r["bytes_down"] for r in group)
+        secs = statistics.mean(r["seconds"] for r in group)
+        deltas = [r["final_accuracy"] - first[r["seed"]] for r in group if r["seed"] in first]
+        delta = (
+            f"final - {labels[0]}: {statistics.mean(deltas):+.4f} "
+            f"(per seed {', '.join(f'{d:+.4f}' for d in deltas)})"
+            if deltas
+            else ""
+        )
+        lines.append(f"{label:{width}s} " + "; ".join(cells))
+        lines.append(
+            f"{'':{width}s} bytes/round up {up:,.0f} down {down:,.0f}; {secs:.0f} s/run; {delta}"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", default="",
+                        help="run-config keys shared by every setting, 'key=value ...'")
+    parser.add_argument("--setting", action="append", default=[],
+                        help="'label: key=value ...' (repeat; the first is the reference)")
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default: 0,1,2)")
+    parser.add_argument("--num-clients", type=int, default=10, help="clients (default: 10)")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (default: 2)")
+    parser.add_argument("--json", default="", help="also write every run's results here")
+    args = parser.parse_args(argv)
+    if not args.setting:
+        parser.error("give at least one --setting")
+    try:
+        base = parse_keys(args.base)
+        settings = [parse_setting(s) for s in args.setting]
+        seeds = [int(s) for s in args.seeds.split(",") if s]
+    except ValueError as error:
+        parser.error(str(error))
+    labels = [label for label, _ in settings]
+    if len(set(labels)) != len(labels):
+        parser.error("setting labels must differ")
+    if args.jobs < 1 or args.num_clients < 1 or not seeds:
+        parser.error("--jobs and --num-clients must be >= 1, --seeds non-empty")
+    jobs = [(label, {**base, **keys}, seed, args.num_clients)
+            for seed in seeds for label, keys in settings]  # fmt: skip
+    start = time.perf_counter()
+    runs: list[dict[str, Any]] = []
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        for run in pool.map(run_one, jobs):
+            runs.append(run)
+            curve = ", ".join(f"{n} {a:.4f}" for n, a in run["curve"])
+            print(f"{run['label']} seed {run['seed']}: {curve} "
+                  f"({run['bytes_up']:,.0f} B up/round, {run['seconds']:.0f} s)", flush=True)
+    print(f"\nbase: {args.base or '(defaults)'}; {args.num_clients} clients; seeds {seeds}; "
+          f"{time.perf_counter() - start:.0f} s in all, {args.jobs} at a time")
+    print("\n".join(_table(runs, labels)))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"base": base, "runs": runs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
