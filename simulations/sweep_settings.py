@@ -1,17 +1,18 @@
 """Compare run-config settings side by side: accuracy by round, bytes, over several seeds.
 
 Each ``--setting "label: key=value key=value"`` is a set of run-config keys (kebab-case,
-as in ``fedddl simulate --run-config``) applied on top of the shared ``--base`` keys; every
+Flower's syntax as in ``fedddl simulate --run-config``: strings in quotes) applied on top of
+the shared ``--base`` keys; every
 setting runs once per seed on the same shards. The runs use the in-process grid of the test
 suite (the same ServerApp and ClientApp code as Flower's simulation, without Ray; replies
 in a fixed order, so a run replays exactly), ``--jobs`` runs at a time, one torch thread
 each.
 
-    python simulations/sweep_settings.py --base "dataset=fashion-mnist arch=resnet8 \\
+    python simulations/sweep_settings.py --base "dataset='fashion-mnist' arch='resnet8' \\
         num-server-rounds=200 eval-every=50 eval-samples=2000" \\
-        --setting "gradient-average: strategy=gradient-average" \\
-        --setting "terngrad: strategy=terngrad" \\
-        --setting "terngrad shared-sum: strategy=terngrad downlink=shared-scale-sum" \\
+        --setting "gradient-average: strategy='gradient-average'" \\
+        --setting "terngrad: strategy='terngrad'" \\
+        --setting "terngrad shared-sum: strategy='terngrad' downlink='shared-scale-sum'" \\
         --seeds 0,1,2
 
 It prints one line per run as it ends, then a table: per setting and evaluated round the
@@ -34,27 +35,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _value(text: str) -> bool | int | float | str:
-    """A run-config value: ``true``/``false``, an int, a float, else the text itself."""
-    if text in ("true", "false"):
-        return text == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
 def parse_keys(text: str) -> dict[str, Any]:
-    """``"a=1 b=x"`` → ``{"a": 1, "b": "x"}`` (no quotes needed around strings)."""
-    keys: dict[str, Any] = {}
-    for item in text.split():
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"expected key=value, got {item!r}")
-        keys[key] = _value(value)
-    return keys
+    """``"a=1 b='x'"`` → ``{"a": 1, "b": "x"}``: Flower's run-config syntax, as in
+    ``fedddl simulate --run-config`` (strings in quotes)."""
+    from fedddl.flower.run_config import parse_run_config
+
+    return parse_run_config([text]) if text.strip() else {}
 
 
 def parse_setting(text: str) -> tuple[str, dict[str, Any]]:

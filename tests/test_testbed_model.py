@@ -120,3 +120,30 @@ def test_flower_testbed_works_in_an_absolute_directory(
     bed = FlowerTestbed([LinkRates()], "out", tmp_path)
     assert bed.work == tmp_path / "out"
     assert bed.work.is_absolute()
+
+
+def test_a_failed_testbed_run_is_run_once_more_then_raised(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from fedddl.deploy.processes import DeploymentError
+    from fedddl.testbed.compare import run_once_more_on_failure
+
+    calls: list[int] = []
+
+    def flaky() -> dict[str, int]:
+        calls.append(1)
+        if len(calls) == 1:
+            raise DeploymentError("flwr run x failed (exit 0):\nlog")
+        return {"ok": 1}
+
+    assert run_once_more_on_failure(flaky, "x") == {"ok": 1} and len(calls) == 2
+    assert "x failed (flwr run x failed (exit 0):); running it once more" in capsys.readouterr().err
+
+    def broken() -> dict[str, int]:
+        calls.append(1)
+        raise DeploymentError("no")
+
+    calls.clear()
+    with pytest.raises(DeploymentError, match="no"):
+        run_once_more_on_failure(broken, "y")
+    assert len(calls) == 2

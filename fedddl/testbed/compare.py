@@ -12,19 +12,22 @@ time to target.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedddl.deploy.processes import DeploymentError
 from fedddl.network import NetworkModel
 from fedddl.testbed.flower_run import FlowerTestbed, time_to_target
 from fedddl.testbed.gossip_run import run_gossip_testbed
 from fedddl.testbed.netns import LinkRates
 from fedddl.testbed.predict import message_overhead, predict_flower, predict_gossip, ratio
 
-__all__ = ["client_rates", "flower_matrix", "gossip_matrix"]
+__all__ = ["client_rates", "flower_matrix", "gossip_matrix", "run_once_more_on_failure"]
 
 GossipVariant = tuple[str, str, bool]  # label, scheduler, overlap
 
@@ -50,6 +53,23 @@ def _save(path: Path, data: Any) -> None:
 
 def _fmt(value: float | None, digits: int = 1) -> str:
     return "not reached" if value is None else f"{value:.{digits}f}"
+
+
+def run_once_more_on_failure(run: Callable[[], dict[str, Any]], name: str) -> dict[str, Any]:
+    """``run()``, and once more if it raises :class:`DeploymentError`.
+
+    Flower's SuperLink now and then ends a run while its ServerApp is still working
+    (its log then shows "Runtime task-token authentication failed" and the SuperNodes'
+    replies are refused with "Run is finished"); the run wrote no results, so running it
+    again loses nothing. A second failure is raised.
+    """
+    try:
+        return run()
+    except DeploymentError as error:
+        first = str(error).splitlines()[0]
+        print(f"fedddl testbed: {name} failed ({first}); running it once more",
+              file=sys.stderr, flush=True)
+        return run()
 
 
 def flower_matrix(
@@ -90,8 +110,10 @@ def flower_matrix(
                             bed = stack.enter_context(
                                 FlowerTestbed(unlimited, out / "deployment", app_dir, tls=tls))
                         bed.set_client_rates(rates)
-                        result = bed.run({**run_config, "strategy": strategy}, name,
-                                         target=target)
+                        attempt = functools.partial(
+                            bed.run, {**run_config, "strategy": strategy}, name, target=target
+                        )
+                        result = run_once_more_on_failure(attempt, name)
                     result["testbed"].update(network=link, target=target,
                                              time_to_target_s=time_to_target(result, target))
                     if link == "unlimited":
