@@ -129,3 +129,34 @@ def test_small_calls_stay_on_numpy(restore_jit: None) -> None:
     assert jit.jit_kernels(jit.MIN_NUMEL) is not None
     jit.set_jit(False)
     assert jit.jit_kernels(1 << 30) is None
+
+
+def test_warm_up_compiles_the_kernels_in_this_process_and_keeps_the_mode() -> None:
+    """What a fork server calls before forking, so its children inherit compiled kernels."""
+    import subprocess
+    import sys
+
+    code = (
+        "import fedddl.compression.jit as jit\n"
+        "assert jit.warm_up()\n"
+        "from fedddl.compression import kernels as k\n"
+        "assert k.ternarize_pack.signatures and k.unpack_base3.signatures\n"
+        "assert k.unpack_2bit.signatures\n"
+        "assert jit._mode is None\n"  # the default mode is restored
+        "jit.set_jit(False)\n"
+        "assert not jit.warm_up()\n"  # FEDDDL_JIT=0 / set_jit(False): nothing is compiled
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+
+def test_fork_server_preload_calls_module_functions() -> None:
+    import pytest
+
+    from fedddl.deploy.warm_clientapp import preload_modules
+
+    preload_modules(["json", "fedddl.compression.jit:available"])
+    with pytest.raises(AttributeError):
+        preload_modules(["fedddl.compression.jit:no_such_function"])
+    with pytest.raises(ImportError):
+        preload_modules(["no_such_module_xyz"])

@@ -51,6 +51,7 @@ __all__ = [
     "SOCKET_ENV",
     "install_shim",
     "main",
+    "preload_modules",
     "serve",
 ]
 
@@ -160,6 +161,21 @@ def _run_child(request: dict[str, object], fds: list[int], entry: Callable[[], o
         return 1
 
 
+def preload_modules(entries: Sequence[str]) -> None:
+    """Import each ``module``; for ``module:function`` also call ``function()``.
+
+    Raises
+    ------
+    ImportError, AttributeError
+        Naming the module or function that is missing.
+    """
+    for entry in entries:
+        module_name, _, function_name = entry.partition(":")
+        module = importlib.import_module(module_name)
+        if function_name:
+            getattr(module, function_name)()
+
+
 def serve(
     socket_path: str | Path, preload: Sequence[str] = ("torch",), entry: str = DEFAULT_ENTRY
 ) -> None:
@@ -170,14 +186,16 @@ def serve(
     socket_path : str or Path
         Unix socket to listen on (replaced if it exists).
     preload : sequence of str
-        Modules to import once before serving (besides ``entry``'s module).
+        Modules to import once before serving (besides ``entry``'s module); an entry
+        ``module:function`` also calls that function (no arguments) after the import,
+        e.g. ``fedddl.compression.jit:warm_up`` to compile the compression kernels once
+        instead of in every forked child.
     entry : str
         ``module:function`` each forked child runs with the shim's ``sys.argv``;
         Flower's ``flwr-clientapp`` entry point by default.
     """
     entry_function = _load_entry(entry)  # imports Flower's ClientApp runtime once
-    for module in preload:
-        importlib.import_module(module)
+    preload_modules(preload)
 
     path = Path(socket_path)
     path.unlink(missing_ok=True)
@@ -254,7 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve_cmd = sub.add_parser("serve", help="run the fork server")
     serve_cmd.add_argument("--socket", required=True)
     serve_cmd.add_argument("--preload", default="torch",
-                           help="comma-separated modules to import up front")
+                           help="comma-separated modules to import up front; "
+                           "module:function also calls function()")
     serve_cmd.add_argument("--entry", default=DEFAULT_ENTRY,
                            help="module:function each child runs (default: flwr-clientapp)")
     shim_cmd = sub.add_parser("install-shim", help="write the flwr-clientapp shim")

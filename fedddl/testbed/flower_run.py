@@ -50,7 +50,7 @@ __all__ = ["SUPERLINK_PORT", "TCP_OVERHEAD", "FlowerTestbed", "fab_size", "time_
 
 #: Port of the SuperLink inside its own namespace (nothing else listens there).
 SUPERLINK_PORT = 9092
-_PRELOAD = ("torch", "numpy", "sklearn.datasets")
+_PRELOAD = ("torch", "numpy", "sklearn.datasets", "fedddl.compression.jit:warm_up")
 _CONNECTION = "testbed"
 
 #: Bytes of Ethernet (14) + IPv4 (20) + TCP with timestamps (32) framing per full
