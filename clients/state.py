@@ -159,13 +159,8 @@ def _catch_up(
     entries = _journal_entries(state)
     if [v for v, _ in entries] != list(range(saved + 1, version + 1)):
         return None
-    for number, payload in entries[replica.version - saved :]:
-        try:
-            update, statistics = decode_broadcast_parts(payload)
-            replica.apply_update(update, number, statistics)
-        except (PayloadError, ReplicaError):
-            return None
-    return entries
+    _replay(replica, entries[replica.version - saved :])
+    return entries if replica.version == version else None
 
 
 def _replay(replica: Replica, entries: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:

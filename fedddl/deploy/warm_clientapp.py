@@ -168,12 +168,14 @@ def preload_modules(entries: Sequence[str]) -> None:
     ------
     ImportError, AttributeError
         Naming the module or function that is missing.
+    TypeError
+        If ``function`` is not callable.
     """
     for entry in entries:
-        module_name, _, function_name = entry.partition(":")
-        module = importlib.import_module(module_name)
-        if function_name:
-            getattr(module, function_name)()
+        if ":" in entry:
+            _load_entry(entry)()
+        else:
+            importlib.import_module(entry)
 
 
 def serve(
