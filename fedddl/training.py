@@ -24,6 +24,7 @@ __all__ = [
     "named_gradients",
     "parameters_fingerprint",
     "set_gradients",
+    "tensors_fingerprint",
 ]
 
 
@@ -242,9 +243,15 @@ def parameters_fingerprint(model: nn.Module) -> str:
     Tensors are hashed in sorted name order, so two models fingerprint equal exactly when
     every value is bit-identical.
     """
-    digest = hashlib.sha256()
     tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
     tensors.update(model.named_buffers())
+    return tensors_fingerprint(tensors)
+
+
+def tensors_fingerprint(tensors: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 hex digest of named tensors (names, dtypes, shapes, raw bytes), in sorted
+    name order: equal exactly when every name and value is bit-identical."""
+    digest = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name].detach().cpu().contiguous()
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())

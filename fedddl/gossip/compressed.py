@@ -67,7 +67,6 @@ within ``max_abs_weight``.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -82,6 +81,7 @@ from fedddl.compression import (
     encode_update,
     make_compressor,
 )
+from fedddl.training import tensors_fingerprint
 
 __all__ = [
     "DEFAULT_CLIP_SIGMA",
@@ -178,12 +178,7 @@ def float_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def state_fingerprint(state: Mapping[str, torch.Tensor]) -> str:
     """Short SHA-256 of names, shapes, dtypes and values (identifies a starting model)."""
-    digest = hashlib.sha256()
-    for name in sorted(state):
-        tensor = state[name].detach().cpu().contiguous()
-        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return "init-" + digest.hexdigest()[:16]
+    return "init-" + tensors_fingerprint(state)[:16]
 
 
 class SenderCopies:
