@@ -3,8 +3,9 @@
 Usage::
 
     python simulations/run_experiments.py \\
-        --experiment {sharding,ternary,gossip,compressed_gossip,all} \\
-        --seeds 0 1 2 --dataset digits --out results/ [--data-root R] [--quick] [--resume]
+        --experiment {sharding,sharding_at_scale,ternary,gossip,compressed_gossip,robustness,all} \\
+        --seeds 0 1 2 --dataset digits --out results/ [--data-root R] [--quick] [--resume] \\
+        [--jobs N] [--engine {ray,inline}]
 
 Each experiment is a TOML file in ``simulations/experiments/`` (see
 ``experiment_spec.py``). Every (variant, seed) runs in-process through the
@@ -32,8 +33,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: find siblings
 
 from experiment_spec import ExperimentSpec, VariantSpec, load_experiment
-from tool_runners import RUNNERS, command_line, shard_statistics
+from tool_runners import RUNNERS, command_line, shard_statistics, timed_run
 
+from fedddl.data.registry import DATASETS
 from fedddl.progress import Progress
 from fedddl.report.manifest import MANIFEST_NAME, write_manifest
 
@@ -41,7 +43,8 @@ __all__ = [
     "EXPERIMENTS", "build_parser", "hardware_description", "main", "parse_only", "run_suite",
 ]
 
-EXPERIMENTS: tuple[str, ...] = ("sharding", "ternary", "gossip", "compressed_gossip")
+EXPERIMENTS: tuple[str, ...] = (
+    "sharding", "sharding_at_scale", "ternary", "gossip", "compressed_gossip", "robustness")
 
 Runner = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -80,43 +83,82 @@ def _say(progress: Progress | None, line: str) -> None:
         progress.advance(1, line)
 
 
-def _run_variant(
+def _run_file(spec: ExperimentSpec, variant: VariantSpec, seed: int) -> str:
+    return f"{_variant_dir(spec, variant)}/seed{seed}.json"
+
+
+def _run_spec(
     spec: ExperimentSpec,
-    variant: VariantSpec,
     seeds: Sequence[int],
     out: Path,
     *,
     resume: bool,
     runner: Runner,
-    on_run: Callable[[dict[str, Any]], None],
+    on_run: Callable[[list[dict[str, Any]]], None],
     progress: Progress | None = None,
-) -> dict[str, Any]:
-    entry: dict[str, Any] = {"label": variant.label, "group": variant.group,
-                             "config": variant.config, "runs": []}
-    for seed in seeds:
-        rel = f"{_variant_dir(spec, variant)}/seed{seed}.json"
-        path = out / rel
-        config = {**variant.config, "seed": seed}
-        run: dict[str, Any] = {"seed": seed, "result": rel}
-        if resume and path.is_file():
-            run["runtime_s"] = float(json.loads(path.read_text()).get("_runtime_s", 0.0))
-            _say(progress, f"[{spec.name}] {variant.group} {variant.label} seed {seed}: kept {rel}")
-        else:
-            start = time.perf_counter()
-            result = runner(config)
-            run["runtime_s"] = time.perf_counter() - start
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({**result, "_runtime_s": run["runtime_s"]}, indent=1))
-            _say(progress, f"[{spec.name}] {variant.group} {variant.label} seed {seed}: "
-                           f"{run['runtime_s']:.1f} s -> {rel}")
-        if spec.name == "sharding":
+    jobs: int = 1,
+) -> list[dict[str, Any]]:
+    """Run every (variant, seed) of ``spec``; ``on_run(entries)`` after each finished run.
+
+    With ``jobs > 1`` that many runs go at a time in worker processes; files and the
+    manifest are written here, in the order runs end, so an interrupted suite keeps
+    every finished run whatever the order.
+    """
+    entries = [{"label": v.label, "group": v.group, "config": v.config, "runs": []}
+               for v in spec.variants]
+    pending: list[tuple[int, int, dict[str, Any]]] = []
+
+    def record(index: int, seed: int, runtime: float, line: str) -> None:
+        rel = _run_file(spec, spec.variants[index], seed)
+        run: dict[str, Any] = {"seed": seed, "result": rel, "runtime_s": runtime}
+        if spec.shard_statistics:
             shards_rel = rel.replace(".json", ".shards.json")
             if not (resume and (out / shards_rel).is_file()):
+                config = {**spec.variants[index].config, "seed": seed}
                 (out / shards_rel).write_text(json.dumps(shard_statistics(config), indent=1))
             run["shards"] = shards_rel
-        entry["runs"].append(run)
-        on_run(entry)
-    return entry
+        runs = entries[index]["runs"]
+        runs.append(run)
+        runs.sort(key=lambda r: seeds.index(r["seed"]))
+        _say(progress, line)
+        on_run([e for e in entries if e["runs"]])
+
+    for index, variant in enumerate(spec.variants):
+        for seed in seeds:
+            rel = _run_file(spec, variant, seed)
+            path = out / rel
+            if resume and path.is_file():
+                runtime = float(json.loads(path.read_text()).get("_runtime_s", 0.0))
+                record(index, seed, runtime, f"[{spec.name}] {variant.group} {variant.label} "
+                                             f"seed {seed}: kept {rel}")
+            else:
+                pending.append((index, seed, {**variant.config, "seed": seed}))
+
+    def finish(index: int, seed: int, result: dict[str, Any], runtime: float) -> None:
+        rel = _run_file(spec, spec.variants[index], seed)
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_text(json.dumps({**result, "_runtime_s": runtime}, indent=1))
+        variant = spec.variants[index]
+        record(index, seed, runtime, f"[{spec.name}] {variant.group} {variant.label} seed "
+                                     f"{seed}: {runtime:.1f} s -> {rel}")
+
+    if jobs <= 1:
+        for index, seed, config in pending:
+            finish(index, seed, *timed_run(runner, config))
+    elif pending:
+        import multiprocessing
+        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+        context = multiprocessing.get_context("spawn")  # no forked torch/Ray state
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+            futures = {pool.submit(timed_run, runner, config): (index, seed)
+                       for index, seed, config in pending}
+            while futures:
+                done, _ = wait(futures, return_when=FIRST_COMPLETED)
+                for future in done:
+                    index, seed = futures.pop(future)
+                    finish(index, seed, *future.result())
+    return [e for e in entries if e["runs"]]
 
 
 def _previous_experiments(out: Path, dataset: str, quick: bool) -> dict[str, Any]:
@@ -179,6 +221,8 @@ def run_suite(
     command: str = "",
     only: dict[str, list[str]] | None = None,
     progress: Progress | None = None,
+    jobs: int = 1,
+    engine: str = "ray",
 ) -> dict[str, Any]:
     """Run ``experiments`` for every seed, write the manifest, and (optionally) the report.
 
@@ -206,6 +250,12 @@ def run_suite(
     progress : Progress, optional
         Advanced by one per run (a bar with time left on a terminal); without it each
         run prints one line to stdout.
+    jobs : int
+        Runs at a time (worker processes, one torch thread each).
+    engine : str
+        ``"ray"``: Flower's simulation engine, as ``fedddl simulate``; ``"inline"``: the
+        same ServerApp and ClientApp in one process without Ray (replies in a fixed
+        order; no 16 s Ray start per run). Gossip runs are the same under both.
 
     Returns
     -------
@@ -237,17 +287,16 @@ def run_suite(
         if kept:  # the folder now holds what several commands ran: list them all
             exp["commands"] = [*previous.get("commands", [previous.get("command", "")]), command]
         start = time.perf_counter()
-        for variant in spec.variants:
-            done = list(exp["variants"])
 
-            def save(entry: dict[str, Any], done: list[dict[str, Any]] = done,
-                     exp: dict[str, Any] = exp, start: float = start) -> None:
-                exp["variants"] = [*done, entry]
-                exp["runtime_s"] = time.perf_counter() - start
-                write_manifest(out, manifest)
+        def save(entries: list[dict[str, Any]], kept: list[dict[str, Any]] = kept,
+                 exp: dict[str, Any] = exp, start: float = start) -> None:
+            exp["variants"] = [*kept, *entries]
+            exp["runtime_s"] = time.perf_counter() - start
+            write_manifest(out, manifest)
 
-            _run_variant(spec, variant, seeds, out, resume=resume,
-                         runner=RUNNERS[spec.tool], on_run=save, progress=progress)
+        runner = RUNNERS[spec.tool if engine == "ray" else f"{spec.tool}-{engine}"]
+        _run_spec(spec, seeds, out, resume=resume, runner=runner, on_run=save,
+                  progress=progress, jobs=jobs)
         order = [(v.group, v.label) for v in load_experiment(
             spec.name, dataset=dataset, quick=quick, data_root=data_root).variants]
         exp["variants"].sort(key=lambda v: order.index((v.get("group", ""), v["label"]))
@@ -271,8 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2],
                         help="seeds; every configuration runs once per seed (default: 0 1 2)")
     parser.add_argument("--dataset", default="digits",
-                        choices=("digits", "mnist", "fashion-mnist", "cifar10", "cifar100",
-                                 "tiny-imagenet"), help="dataset of every run (default: digits)")
+                        choices=DATASETS, help="dataset of every run (default: digits)")
     parser.add_argument("--data-root", default=None,
                         help="dataset directory (default: $FEDDDL_DATA or the standard place)")
     parser.add_argument("--out", type=Path, default=Path("results"),
@@ -284,6 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run only these variants of the named experiments; LABEL is a "
                              "variant's label, or GROUP/LABEL for that label in one group "
                              "only (default: every variant)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs at a time, in worker processes (default: 1)")
+    parser.add_argument("--engine", choices=("ray", "inline"), default="ray",
+                        help="ray: Flower's simulation engine, as fedddl simulate; inline: the "
+                             "same apps in-process without Ray, replies in a fixed order "
+                             "(default: ray)")
     parser.add_argument("--print-commands", action="store_true",
                         help="print the equivalent fedddl command lines and exit")
     return parser
@@ -295,6 +349,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = list(EXPERIMENTS) if "all" in args.experiment else list(dict.fromkeys(args.experiment))
     if len(set(args.seeds)) != len(args.seeds):
         print("run_experiments: --seeds must be distinct", file=sys.stderr)
+        return 2
+    if args.jobs < 1:
+        print("run_experiments: --jobs must be >= 1", file=sys.stderr)
         return 2
     try:  # resolve every experiment up front: a typo fails in a second, not after runs
         only = parse_only(args.variants)
@@ -319,7 +376,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with Progress(runs, "experiments", unit="runs", stream=sys.stdout) as progress:
         run_suite(names, args.seeds, args.out, dataset=args.dataset, data_root=args.data_root,
                   quick=args.quick, resume=args.resume, report=not args.no_report,
-                  command=command, only=only, progress=progress)
+                  command=command, only=only, progress=progress, jobs=args.jobs,
+                  engine=args.engine)
     return 0
 
 

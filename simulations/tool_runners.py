@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["RUNNERS", "command_line", "gossip_fields", "run_gossip_config",
-           "run_simulate_config", "shard_statistics"]
+           "run_simulate_config", "run_simulate_inline", "shard_statistics", "timed_run"]
 
 #: Keys of a simulate variant that are options of ``fedddl simulate``, not run-config keys.
 _SIMULATE_FLAGS = {"num-clients": "--num-clients", "num-server-rounds": "--rounds",
@@ -31,6 +31,31 @@ def run_simulate_config(config: dict[str, Any]) -> dict[str, Any]:
     run_config = {k: v for k, v in config.items() if k != "num-clients"}
     result: dict[str, Any] = run(run_config, num_clients=int(config["num-clients"]),
                                  progress=None)
+    return result
+
+
+def run_simulate_inline(config: dict[str, Any]) -> dict[str, Any]:
+    """Run one simulation in-process without Ray; returns the same JSON dict.
+
+    The same ServerApp and ClientApp code as :func:`run_simulate_config`, on the
+    in-process grid of the test suite: every message is handled at once, node after
+    node, so replies come in a fixed order and a run replays exactly.
+    """
+    import sys
+
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from clients.client_app import make_client_app
+    from fedddl.app_config import AppConfig
+    from strategies.server_app import run_server
+    from tests.support.inline_grid import InlineGrid
+
+    num_clients = int(config["num-clients"])
+    cfg = AppConfig.from_run_config({k: v for k, v in config.items() if k != "num-clients"})
+    cfg = cfg.replace(min_available_nodes=num_clients)
+    result: dict[str, Any] = run_server(InlineGrid(make_client_app(cfg), num_clients), cfg,
+                                        progress=None)
     return result
 
 
@@ -56,7 +81,22 @@ def run_gossip_config(config: dict[str, Any]) -> dict[str, Any]:
 RUNNERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "simulate": run_simulate_config,
     "gossip": run_gossip_config,
+    "simulate-inline": run_simulate_inline,
+    "gossip-inline": run_gossip_config,
 }
+
+
+def timed_run(runner: Callable[[dict[str, Any]], dict[str, Any]],
+              config: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """``runner(config)`` and its run time, with one torch thread (runs share the cores)."""
+    import time
+
+    import torch
+
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    result = runner(config)
+    return result, time.perf_counter() - start
 
 
 def _simulate_options() -> set[str]:

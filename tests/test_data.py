@@ -46,7 +46,8 @@ def no_debian_fashion(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 def test_dataset_info_and_names() -> None:
     assert set(DATASETS) == {
-        "digits", "mnist", "fashion-mnist", "cifar10", "cifar100", "tiny-imagenet"
+        "digits", "mnist", "fashion-mnist", "fashion-mnist-pairs", "cifar10", "cifar100",
+        "tiny-imagenet"
     }  # fmt: skip
     assert dataset_info("cifar100").num_classes == 100
     assert dataset_info("tiny-imagenet").input_shape == (3, 64, 64)
@@ -308,3 +309,30 @@ def test_helpers_fall_back_to_iteration() -> None:
     np.testing.assert_array_equal(get_labels(Subset(_PlainDataset(), [2, 0])), [0, 2])
     with pytest.raises(ValueError, match="empty dataset"):
         as_tensors(Subset(_PlainDataset(), []))
+
+
+def test_fashion_mnist_pairs_are_two_real_images_with_a_product_label(
+    tmp_path: Path, no_debian_fashion: None
+) -> None:
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", 40), ("t10k", 15)):
+        write_idx(tmp_path / "fashion-mnist" / f"{prefix}-images-idx3-ubyte",
+                  rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8))
+        write_idx(tmp_path / "fashion-mnist" / f"{prefix}-labels-idx1-ubyte",
+                  rng.integers(0, 10, size=n, dtype=np.uint8))
+    info = dataset_info("fashion-mnist-pairs")
+    assert (info.num_classes, info.input_shape) == (100, (1, 28, 56))
+    for split, n in (("train", 40), ("test", 15)):
+        source_x, source_y = as_tensors(load_dataset("fashion-mnist", root=tmp_path, split=split))
+        pairs = load_dataset("fashion-mnist-pairs", root=tmp_path, split=split)
+        x, y = as_tensors(pairs)
+        assert x.shape == (n, 1, 28, 56) and len(pairs.targets) == n
+        left, right = x[..., :28], x[..., 28:]
+        torch.testing.assert_close(left, source_x, rtol=0, atol=0)  # image i on the left
+        # Every source image is the right half of exactly one pair, with its own label.
+        match = [int(torch.nonzero((source_x == r).flatten(1).all(1))[0]) for r in right]
+        assert sorted(match) == list(range(n))
+        assert match != list(range(n))  # a real permutation, not the identity
+        np.testing.assert_array_equal(y.numpy(), 10 * source_y.numpy() + source_y.numpy()[match])
+        again = load_dataset("fashion-mnist-pairs", root=tmp_path, split=split)
+        assert again.targets == pairs.targets  # the same pairs everywhere

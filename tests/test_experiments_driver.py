@@ -35,7 +35,8 @@ def test_every_experiment_resolves_for_every_dataset() -> None:
         quick = spec_mod.load_experiment(name, quick=True)
         fmnist = spec_mod.load_experiment(name, dataset="fashion-mnist", data_root="/data")
         assert len(full.variants) >= 3
-        assert [v.label for v in quick.variants] == [v.label for v in full.variants]
+        assert list(dict.fromkeys(v.label for v in quick.variants)) == list(
+            dict.fromkeys(v.label for v in full.variants))
         for variant in fmnist.variants:
             assert variant.config["dataset"] == "fashion-mnist"
             assert variant.config["data-root"] == "/data"
@@ -142,7 +143,8 @@ def check_result_files(out: Path) -> None:
     spec_mod = load_script("experiment_spec")
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["quick"] is True
-    assert set(manifest["experiments"]) == {"sharding", "ternary", "gossip", "compressed_gossip"}
+    ran = {"sharding", "ternary", "gossip", "compressed_gossip"}  # (all of them with "all")
+    assert ran <= set(manifest["experiments"]) <= set(load_script("run_experiments").EXPERIMENTS)
     for name, exp in manifest["experiments"].items():
         spec = spec_mod.load_experiment(name, quick=True)
         labels = [v.label for v in spec.variants]
@@ -163,7 +165,7 @@ def check_result_files(out: Path) -> None:
                     assert result["bytes_total"] > 0 and result["messages"] > 0
                     compressor = variant["config"].get("compressor", "")
                     assert result["compressor"] == (compressor or None)
-                if name == "sharding":
+                if spec.shard_statistics:
                     shards = json.loads((out / run["shards"]).read_text())
                     assert len(shards["shards"]) == variant["config"]["num-clients"]
                     assert shards["summary"]["disjoint"] and shards["summary"]["covers_all"]
@@ -182,7 +184,8 @@ def check_report(out: Path) -> None:
         # Rows of this experiment's own section: two gossip experiments share labels.
         rows = [line for line in sections[exp["title"]].splitlines() if line.startswith("| ")]
         for v in exp["variants"]:
-            cells = [v["group"], v["label"]] if exp["tool"] == "gossip" else [v["label"]]
+            cells = ([v["group"], v["label"]] if exp["tool"] == "gossip" else
+                     [f"{v['group']}: {v['label']}" if v["group"] else v["label"]])
             prefix = "| " + " | ".join(cells) + f" | {len(exp['seeds'])} |"
             assert sum(row.startswith(prefix) for row in rows) == 1, prefix
     assert "100 Mbit/s" in report and "quick mode" in report
@@ -239,3 +242,126 @@ def test_variants_are_selected_by_label_or_by_group_and_label() -> None:
         ("homogeneous", "scheduled"), ("heterogeneous", "scheduled")]
     with pytest.raises(ValueError, match="no variant"):
         driver._select(spec, ["lan/scheduled"])
+
+
+MATRIX_TOML = """
+[experiment]
+tool = "simulate"
+shard-statistics = true
+[config]
+strategy = "fedavg"
+num-clients = 10
+local-steps = 1
+num-server-rounds = 9
+[matrix]
+num-clients = [4, 8]
+local-steps = [1, 5]
+group = "{num-clients} x {local-steps}"
+[quick.matrix]
+num-clients = [2]
+group = "{num-clients} quick"
+[datasets.fashion-mnist]
+num-server-rounds = 3
+[datasets.fashion-mnist.matrix]
+num-clients = [100]
+group = "{num-clients} workers"
+[[variants]]
+label = "a"
+partition = "stratified"
+[[variants]]
+label = "b"
+partition = "random"
+local-steps = 7
+"""
+
+
+def test_matrix_runs_every_variant_in_every_group(tmp_path: Path) -> None:
+    spec_mod = load_script("experiment_spec")
+    (tmp_path / "m.toml").write_text(MATRIX_TOML)
+    spec = spec_mod.load_experiment("m", directory=tmp_path)
+    assert spec.shard_statistics
+    assert [(v.group, v.label) for v in spec.variants] == [
+        ("4 x 1", "a"), ("4 x 1", "b"), ("4 x 5", "a"), ("4 x 5", "b"),
+        ("8 x 1", "a"), ("8 x 1", "b"), ("8 x 5", "a"), ("8 x 5", "b")]
+    configs = {(v.group, v.label): v.config for v in spec.variants}
+    assert configs[("8 x 5", "a")]["num-clients"] == 8  # the matrix beats [config]
+    assert configs[("8 x 5", "a")]["local-steps"] == 5
+    assert configs[("8 x 1", "b")]["local-steps"] == 7  # a variant's own key beats the matrix
+    fmnist = spec_mod.load_experiment("m", directory=tmp_path, dataset="fashion-mnist")
+    assert [(v.group, v.config["num-clients"], v.config["num-server-rounds"])
+            for v in fmnist.variants] == [("100 workers", 100, 3)] * 2
+    quick = spec_mod.load_experiment("m", directory=tmp_path, quick=True)
+    assert [v.group for v in quick.variants] == ["2 quick"] * 2
+    bad = {
+        'group = "{num-clients} x {local-steps}"': ('group = "{num-clients}"', "same name"),
+        'local-steps = [1, 5]': ("local-steps = 5", "must be a non-empty list"),
+        'label = "a"\n': ('label = "a"\ngroup = "g"\n', "has a group"),
+    }
+    for old, (new, message) in bad.items():
+        (tmp_path / "bad.toml").write_text(MATRIX_TOML.replace(old, new, 1))
+        with pytest.raises(ValueError, match=message):
+            spec_mod.load_experiment("bad", directory=tmp_path)
+    (tmp_path / "bad.toml").write_text(MATRIX_TOML.replace(
+        'group = "{num-clients} x {local-steps}"\n', "", 1))
+    with pytest.raises(ValueError, match="needs a group template"):
+        spec_mod.load_experiment("bad", directory=tmp_path)
+
+
+def test_inline_engine_runs_a_matrix_two_at_a_time_and_replays_exactly(tmp_path: Path) -> None:
+    """--engine inline --jobs 2: every run lands, in seed order, and equals a serial rerun."""
+    driver = load_script("run_experiments")
+    out = tmp_path / "two"
+    assert driver.main(["--experiment", "sharding_at_scale", "--quick", "--seeds", "0", "1",
+                        "--variants", "sharding_at_scale:stratified", "sharding_at_scale:random",
+                        "--engine", "inline", "--jobs", "2", "--out", str(out)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    variants = manifest["experiments"]["sharding_at_scale"]["variants"]
+    groups = sorted({v["group"] for v in variants})
+    assert groups == ["3 workers, 1 steps, fraction 1.0", "3 workers, 2 steps, fraction 1.0"]
+    assert [v["label"] for v in variants] == ["stratified", "random"] * 2  # the TOML's order
+    for variant in variants:
+        assert [r["seed"] for r in variant["runs"]] == [0, 1]
+        for run in variant["runs"]:
+            result = json.loads((out / run["result"]).read_text())
+            assert result["config"]["local-steps" if "local-steps" in result["config"]
+                                    else "local_steps"] == variant["config"]["local-steps"]
+            assert (out / run["shards"]).is_file()
+    report = (out / "report.md").read_text()
+    _png_ok(out / "sharding_at_scale_outcome_vs_shards.png")
+    assert "| 3 workers, 2 steps, fraction 1.0: random | 2 |" in report
+    assert "3 workers, 1 steps, fraction 1.0: rounds to target: " in report
+    assert "final accuracy - stratified, seed by seed: random " in report  # paired by seed
+    overview = [line for line in report.splitlines() if line.startswith("| 3 workers, 2 steps")]
+    assert len(overview) == 3  # its overview row (one cell per variant), then one per variant
+    assert overview[0].count("/2)") == 2  # stratified and random, each over 2 seeds
+    # The inline grid replays exactly: a serial rerun of one run gives the same model.
+    again = tmp_path / "one"
+    assert driver.main(["--experiment", "sharding_at_scale", "--quick", "--seeds", "1",
+                        "--variants", "sharding_at_scale:3 workers, 2 steps, fraction 1.0/random",
+                        "--engine", "inline", "--out", str(again), "--no-report"]) == 0
+    rel = next(v for v in variants if v["group"].startswith("3 workers, 2")
+               and v["label"] == "random")["runs"][1]["result"]
+    first, second = (json.loads((d / rel).read_text()) for d in (out, again))
+    assert first["final_fingerprint"] == second["final_fingerprint"]
+    assert [r["accuracy"] for r in first["rounds"]] == [r["accuracy"] for r in second["rounds"]]
+    assert driver.main(["--experiment", "sharding_at_scale", "--jobs", "0"]) == 2
+
+
+def test_robustness_matrix_runs_real_attackers_and_draws_final_bars(tmp_path: Path) -> None:
+    driver = load_script("run_experiments")
+    out = tmp_path / "robust"
+    assert driver.main(["--experiment", "robustness", "--quick", "--seeds", "3",
+                        "--variants", "robustness:plain mean", "robustness:median",
+                        "--engine", "inline", "--out", str(out)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    variants = manifest["experiments"]["robustness"]["variants"]
+    assert [(v["group"], v["label"]) for v in variants] == [
+        ("no attack", "plain mean"), ("no attack", "median"),
+        ("sign-flip, 1 of 4", "plain mean"), ("sign-flip, 1 of 4", "median")]
+    for variant in variants:
+        result = json.loads((out / variant["runs"][0]["result"]).read_text())
+        attackers = (result.get("attack") or {}).get("node_ids", [])
+        assert len(attackers) == (1 if variant["group"].startswith("sign-flip") else 0)
+        assert result["config"]["aggregator"] == variant["config"].get("aggregator", "mean")
+    _png_ok(out / "robustness_final.png")
+    assert "](robustness_final.png)" in (out / "report.md").read_text()

@@ -183,3 +183,44 @@ def test_report_rejects_accuracy_outside_unit_interval(gossip_results: Path,
     data["curve"][0][1] = 1.5
     (broken / first).write_text(json.dumps(data))
     assert cli_main(["report", str(broken)]) == 1
+
+
+def test_outcome_points_compare_each_run_with_stratified_of_its_group_and_seed(
+    tmp_path: Path,
+) -> None:
+    from fedddl.report.build import outcome_points
+    from fedddl.report.plots import plot_bands, plot_outcome_vs_shards
+    from fedddl.report.tables import write_csv
+
+    table = Table("t", ["c"])
+    for group, offset in (("g1", 0.0), ("g2", 0.5)):
+        for label, acc, kl in (("stratified", 0.8, 1e-4), ("random", 0.7, 1e-2)):
+            table.add([f"{group}: {label}"], {
+                "configuration": f"{group}: {label}", "group": group, "variant": label,
+                "final_accuracy_by_seed": {0: acc - offset / 10, 1: acc + 0.01},
+                "shard_summary_by_seed": {0: {"kl_divergence_mean": kl},
+                                          1: {"kl_divergence_mean": 2 * kl}}})
+    table.add(["g3: random"], {"configuration": "g3: random", "group": "g3",
+                               "variant": "random", "final_accuracy_by_seed": {0: 0.1},
+                               "shard_summary_by_seed": {0: {"kl_divergence_mean": 0.3}}})
+    points = outcome_points(table)
+    gaps = {(p["group"], p["label"], p["seed"]): p["gap"] for p in points}
+    assert gaps == pytest.approx({  # g3 has no stratified run: left out
+        ("g1", "stratified", 0): 0.0, ("g1", "stratified", 1): 0.0,
+        ("g1", "random", 0): -0.1, ("g1", "random", 1): -0.1,
+        ("g2", "stratified", 0): 0.0, ("g2", "stratified", 1): 0.0,
+        ("g2", "random", 0): -0.1, ("g2", "random", 1): -0.1})
+    assert {p["kl_divergence_mean"] for p in points if p["label"] == "random"} == {1e-2, 2e-2}
+    # The nested per-seed values stay out of the CSV.
+    csv_text = write_csv([("e", table)], tmp_path / "s.csv").read_text()
+    assert "by_seed" not in csv_text
+    assert csv_text.splitlines()[0] == "experiment,configuration,group,variant"
+    png = plot_outcome_vs_shards(points, tmp_path / "o.png", suptitle="t",
+                                 stats=[("kl_divergence_mean", "KL")], outcome="gap",
+                                 outcome_label="gap")
+    assert png_size(png)[0] > 200
+    band = aggregate_rounds([np.arange(1, 4)], [np.array([0.1, 0.2, 0.3])])
+    wide = plot_bands([(f"p{i}", "round", {"a": band}) for i in range(5)], tmp_path / "g.png",
+                      suptitle="s", columns=2)
+    width, height = png_size(wide)
+    assert height > width  # 3 rows of 2 panels, not one row of 5

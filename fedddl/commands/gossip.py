@@ -11,7 +11,8 @@ from typing import Any
 NAME = "gossip"
 HELP = "simulate gossip SGD with real training under a virtual clock and write a JSON result"
 
-_DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100", "tiny-imagenet")
+_DATASETS = ("digits", "mnist", "fashion-mnist", "fashion-mnist-pairs", "cifar10", "cifar100",
+             "tiny-imagenet")
 
 
 def _compute_time(text: str) -> float | None:

@@ -11,7 +11,8 @@ NAME = "partition"
 HELP = "split a dataset into shards and print per-shard label/feature statistics"
 
 _METHODS = ("stratified", "random", "dirichlet")
-_DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100", "tiny-imagenet")
+_DATASETS = ("digits", "mnist", "fashion-mnist", "fashion-mnist-pairs", "cifar10", "cifar100",
+             "tiny-imagenet")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,4 +1,5 @@
-"""Datasets: one loader for digits, MNIST, Fashion-MNIST, CIFAR-10/100 and Tiny ImageNet."""
+"""Datasets: one loader for digits, MNIST, Fashion-MNIST (and its 100-class pairs), CIFAR-10/100
+and Tiny ImageNet."""
 
 from fedddl.data.errors import DatasetNotFoundError
 from fedddl.data.in_memory import InMemoryImageDataset

@@ -26,7 +26,8 @@ def load_dataset(
     root : str, PathLike or None
         Data directory; None means ``$FEDDDL_DATA`` or ``~/.cache/fedddl/data``.
         Ignored by ``digits`` (bundled with scikit-learn). Fashion-MNIST falls back to
-        Debian's ``/usr/share/datasets/fashion-mnist`` when ``root`` has no files.
+        Debian's ``/usr/share/datasets/fashion-mnist`` when ``root`` has no files;
+        ``fashion-mnist-pairs`` is built from Fashion-MNIST (:mod:`fedddl.data.pairs`).
     split : str
         ``"train"`` or ``"test"`` (Tiny ImageNet's ``test`` is its labelled val split).
     download : bool
@@ -61,6 +62,10 @@ def load_dataset(
         from fedddl.data.mnist import load_mnist_like
 
         return load_mnist_like(name, data_root, split, download)
+    if name == "fashion-mnist-pairs":
+        from fedddl.data.pairs import load_fashion_mnist_pairs
+
+        return load_fashion_mnist_pairs(data_root, split, download)
     if name in ("cifar10", "cifar100"):
         from fedddl.data.cifar import load_cifar
 

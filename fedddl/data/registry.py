@@ -19,6 +19,7 @@ DATASETS: tuple[str, ...] = (
     "digits",
     "mnist",
     "fashion-mnist",
+    "fashion-mnist-pairs",
     "cifar10",
     "cifar100",
     "tiny-imagenet",
@@ -52,6 +53,8 @@ _INFO: dict[str, DatasetInfo] = {
     "digits": DatasetInfo("digits", 10, (1, 8, 8), "mlp"),
     "mnist": DatasetInfo("mnist", 10, (1, 28, 28), "cnn"),
     "fashion-mnist": DatasetInfo("fashion-mnist", 10, (1, 28, 28), "cnn"),
+    # Two Fashion-MNIST images side by side, 100 classes (fedddl/data/pairs.py).
+    "fashion-mnist-pairs": DatasetInfo("fashion-mnist-pairs", 100, (1, 28, 56), "cnn"),
     "cifar10": DatasetInfo("cifar10", 10, (3, 32, 32), "resnet18"),
     "cifar100": DatasetInfo("cifar100", 100, (3, 32, 32), "resnet18"),
     "tiny-imagenet": DatasetInfo("tiny-imagenet", 200, (3, 64, 64), "resnet18"),

@@ -24,7 +24,12 @@ from typing import Any
 import numpy as np
 
 from fedddl.report.manifest import ManifestError, load_json, load_manifest
-from fedddl.report.plots import plot_bands, plot_shards
+from fedddl.report.plots import (
+    plot_bands,
+    plot_final_bars,
+    plot_outcome_vs_shards,
+    plot_shards,
+)
 from fedddl.report.stats import (
     Band,
     Link,
@@ -40,7 +45,8 @@ from fedddl.report.tables import Table, fmt_count, fmt_pm, fmt_reach, markdown_t
 __all__ = ["Report", "Section", "build_report"]
 
 _MB = 1e6
-_ORDER = ("sharding", "ternary", "gossip")
+_ORDER = ("sharding", "sharding_at_scale", "ternary", "gossip", "compressed_gossip",
+          "robustness")
 
 
 @dataclass
@@ -56,6 +62,7 @@ class Section:
     runtime_s: float | None = None
     commands: list[str] = field(default_factory=list)
     seeds: list[int] = field(default_factory=list)
+    overview: Table | None = None
 
 
 @dataclass
@@ -101,8 +108,10 @@ def _simulate_section(name: str, exp: dict[str, Any], root: Path) -> Section:
     by_wall: dict[str, Band] = {}
     by_link: dict[str, dict[str, Band]] = {link.name: {} for link in links}
     shard_reports: dict[str, dict[str, Any]] = {}
+    groups: dict[str, dict[str, Band]] = {}
     for variant in exp["variants"]:
-        label = variant["label"]
+        group = str(variant.get("group", ""))
+        label = f"{group}: {variant['label']}" if group else variant["label"]
         series = []
         for run in variant["runs"]:
             s = round_series(load_json(root / run["result"]))
@@ -112,6 +121,7 @@ def _simulate_section(name: str, exp: dict[str, Any], root: Path) -> Section:
             continue
         acc = [s["accuracy"] for s in series]
         by_round[label] = aggregate_rounds([s["round"] for s in series], acc)
+        groups.setdefault(group, {})[variant["label"]] = by_round[label]
         by_bytes[label] = aggregate_rounds([s["cum_bytes"] / _MB for s in series], acc)
         by_wall[label] = aggregate_rounds([s["cum_wall_s"] for s in series], acc)
         final = mean_std(float(a[-1]) for a in acc)
@@ -129,7 +139,10 @@ def _simulate_section(name: str, exp: dict[str, Any], root: Path) -> Section:
                  fmt_reach(*rounds), fmt_reach(*wall), f"{per_round[0]:.3f}",
                  fmt_reach(*to_target_mb, digits=2)]
         raw: dict[str, object] = {
-            "configuration": label, "seeds": len(series), "target_accuracy": target,
+            "configuration": label, "group": group, "variant": variant["label"],
+            "seeds": len(series), "target_accuracy": target,
+            "final_accuracy_by_seed": {r["seed"]: float(a[-1])
+                                       for r, a in zip(variant["runs"], acc, strict=True)},
             "final_accuracy_mean": final[0], "final_accuracy_std": final[1],
             "best_accuracy_mean": best[0], "rounds_to_target_mean": rounds[0],
             "rounds_to_target_std": rounds[1], "seeds_reached_target": rounds[2],
@@ -146,8 +159,12 @@ def _simulate_section(name: str, exp: dict[str, Any], root: Path) -> Section:
             raw[f"sim_total_time_s_mean@{link.name}"] = float(np.mean([t[-1] for t in times]))
         if has_shards:
             reports = [load_json(root / r["shards"]) for r in variant["runs"] if "shards" in r]
-            if reports[0] not in shard_reports.values():  # "all clients" variants share shards
-                shard_reports[label] = reports[0]
+            raw["shard_summary_by_seed"] = {r["seed"]: rep["summary"] for r, rep in zip(
+                [r for r in variant["runs"] if "shards" in r], reports, strict=True)}
+            # "all clients" variants share shards; of a matrix, the first group's
+            if reports[0] not in shard_reports.values() and variant["label"] not in shard_reports:
+                name_ = variant["label"] if group else label
+                shard_reports[name_] = reports[0]
             for key, col in (("kl_divergence_mean", "kl"), ("max_abs_deviation_mean", "max_dp"),
                              ("feature_mean_abs_dev_mean", "pixel_mean_dev"),
                              ("feature_var_abs_dev_mean", "pixel_var_dev")):
@@ -158,25 +175,79 @@ def _simulate_section(name: str, exp: dict[str, Any], root: Path) -> Section:
 
     figures: list[Path] = []
     title = f"{exp.get('title', name)} ({exp.get('dataset', '')})".replace(" ()", "")
+    if len(groups) > 1:  # a matrix: one accuracy panel per group, nothing else per round
+        finals: dict[str, dict[str, tuple[float, float]]] = {}
+        for raw in table.raw:
+            finals.setdefault(str(raw["group"]), {})[str(raw["variant"])] = (
+                _number(raw, "final_accuracy_mean"), _number(raw, "final_accuracy_std"))
+        figures.append(plot_final_bars(finals, root / f"{name}_final.png",
+                                       suptitle=f"{title}: final accuracy (mean ± std)"))
+        figures.append(plot_bands([(g, "round", bands) for g, bands in groups.items()],
+                                  root / f"{name}_accuracy.png", suptitle=title,
+                                  target=target, columns=min(len(groups), 3)))
+        if has_shards:
+            figures.append(_outcome_figure(table, root / f"{name}_outcome_vs_shards.png",
+                                           title))
     panels: list[tuple[str, str, dict[str, Band]]] = [
         ("accuracy per round", "round", by_round),
     ]
-    if links:
+    if len(groups) > 1:
+        panels = []
+    elif links:
         panels.append(("bytes communicated", "MB (up + down, all clients)",
                        by_bytes))
         panels += [(f"simulated time, {link.name} server link",
                     "simulated wall time (s)", by_link[link.name]) for link in links]
     else:
         panels.append(("accuracy vs measured wall time", "wall time (s)", by_wall))
-    figures.append(plot_bands(panels, root / f"{name}_accuracy.png", suptitle=title,
-                              target=target, log_x=[False, bool(links)] + [False] * len(links)))
+    if panels:
+        figures.append(plot_bands(panels, root / f"{name}_accuracy.png", suptitle=title,
+                                  target=target,
+                                  log_x=[False, bool(links)] + [False] * len(links)))
     if shard_reports:
         figures.append(plot_shards(shard_reports, root / f"{name}_shards.png",
                                    suptitle=f"{title}: per-shard statistics (seed "
                                             f"{exp['variants'][0]['runs'][0]['seed']})"))
+    overview = _overview(table, target) if len(groups) > 1 else None
     return Section(name, exp.get("title", name), exp.get("claim", ""), table, figures,
-                   _simulate_notes(table, links), exp.get("runtime_s"),
-                   _commands(exp), list(exp.get("seeds", [])))
+                   _simulate_notes(table, links, grouped=len(groups) > 1), exp.get("runtime_s"),
+                   _commands(exp), list(exp.get("seeds", [])), overview)
+
+
+def _by_seed(raw: dict[str, object], key: str) -> dict[Any, Any]:
+    """A per-seed raw value (``{seed: value}``), empty when the row has none."""
+    value = raw.get(key)
+    return dict(value) if isinstance(value, dict) else {}
+
+
+def outcome_points(table: Table, reference: str = "stratified") -> list[dict[str, Any]]:
+    """Per run of a matrix sharding experiment: shard statistics and the accuracy gap.
+
+    ``gap`` is the run's final accuracy minus that of the ``reference`` variant in the
+    same group with the same seed (the same workers, steps and participation), so runs
+    of different settings share one scale; runs without such a reference are left out.
+    """
+    finals: dict[tuple[str, str], dict[Any, float]] = {}
+    for raw in table.raw:
+        finals[(str(raw["group"]), str(raw["variant"]))] = _by_seed(raw, "final_accuracy_by_seed")
+    points = []
+    for raw in table.raw:
+        ref = finals.get((str(raw["group"]), reference), {})
+        shards = _by_seed(raw, "shard_summary_by_seed")
+        for seed, final in finals[(str(raw["group"]), str(raw["variant"]))].items():
+            if seed in ref and seed in shards:
+                points.append({"label": raw["variant"], "group": raw["group"], "seed": seed,
+                               "gap": final - ref[seed], **shards[seed]})
+    return points
+
+
+def _outcome_figure(table: Table, path: Path, title: str) -> Path:
+    return plot_outcome_vs_shards(
+        outcome_points(table), path, suptitle=f"{title}: final accuracy vs shard statistics",
+        stats=[("kl_divergence_mean", "mean KL(shard class mix || global)"),
+               ("feature_mean_abs_dev_mean", "mean |shard - global| pixel mean"),
+               ("feature_var_abs_dev_mean", "mean |shard - global| pixel variance")],
+        outcome="gap", outcome_label="final accuracy - stratified (same setting, seed)")
 
 
 def _number(raw: dict[str, object], key: str) -> float:
@@ -184,28 +255,74 @@ def _number(raw: dict[str, object], key: str) -> float:
     return float(value) if isinstance(value, (int, float)) else float("nan")
 
 
-def _simulate_notes(table: Table, links: list[Link]) -> list[str]:
+def _overview(table: Table, target: float) -> Table:
+    """One row per group, one column per variant: final accuracy and rounds to target."""
+    variants = list(dict.fromkeys(str(raw["variant"]) for raw in table.raw))
+    overview = Table(f"{table.title}: final accuracy ± std (rounds to {target:.2f}, seeds "
+                     "that reached it)", ["Setting", *variants])
+    rows: dict[str, dict[str, str]] = {}
+    for raw in table.raw:
+        cell = fmt_pm(_number(raw, "final_accuracy_mean"), _number(raw, "final_accuracy_std"))
+        rounds = _number(raw, "rounds_to_target_mean")
+        reached, seeds = int(_number(raw, "seeds_reached_target")), int(_number(raw, "seeds"))
+        cell += f" ({'–' if np.isnan(rounds) else f'{rounds:.1f}'}, {reached}/{seeds})"
+        rows.setdefault(str(raw["group"]), {})[str(raw["variant"])] = cell
+    for group, cells in rows.items():
+        overview.add([group, *(cells.get(v, "") for v in variants)], {"group": group})
+    return overview
+
+
+def _paired(raws: list[dict[str, object]]) -> str:
+    """``"; final accuracy - REF, seed by seed: B +0.010 (+0.02, 0.00, +0.01), ..."``.
+
+    REF is the group's first variant; only seeds both ran are compared.
+    """
+    ref = _by_seed(raws[0], "final_accuracy_by_seed")
+    parts = []
+    for raw in raws[1:]:
+        mine = _by_seed(raw, "final_accuracy_by_seed")
+        diffs = [mine[seed] - ref[seed] for seed in mine if seed in ref]
+        if diffs:
+            parts.append(f"{raw['variant']} {float(np.mean(diffs)):+.3f} ("
+                         + ", ".join(f"{d:+.3f}" for d in diffs) + ")")
+    if not parts:
+        return ""
+    return f"; final accuracy - {raws[0]['variant']}, seed by seed: " + ", ".join(parts)
+
+
+def _simulate_notes(table: Table, links: list[Link], *, grouped: bool = False) -> list[str]:
     """Data-driven one-liners: who reached the target first, by rounds and by link time.
 
     A configuration's value is its mean over the seeds that reached the target,
     so each entry also says how many did (reaching by round and by time coincide).
+    With ``grouped`` (a matrix experiment) there is one line per group.
     """
 
-    def ranking(key: str) -> str:
-        rows = [r for r in table.raw if not np.isnan(_number(r, key))]
+    def ranking(key: str, raws: list[dict[str, object]], name: str) -> str:
+        rows = [r for r in raws if not np.isnan(_number(r, key))]
         rows.sort(key=lambda r: _number(r, key))
-        missed = [str(r["configuration"]) for r in table.raw if r not in rows]
+        missed = [str(r[name]) for r in raws if r not in rows]
         text = " < ".join(
-            f"{r['configuration']} ({_number(r, key):.3g}, "
+            f"{r[name]} ({_number(r, key):.3g}, "
             f"{int(_number(r, 'seeds_reached_target'))}/{int(_number(r, 'seeds'))})"
             for r in rows
         )
+        if not rows:
+            return f"none reached it ({', '.join(missed)})"
         return text + (f"; never reached: {', '.join(missed)}" if missed else "")
 
+    if grouped:
+        by_group: dict[str, list[dict[str, object]]] = {}
+        for raw in table.raw:
+            by_group.setdefault(str(raw["group"]), []).append(raw)
+        return [f"{group}: rounds to target: "
+                + ranking("rounds_to_target_mean", raws, "variant") + _paired(raws)
+                for group, raws in by_group.items()]
     notes = ["Rounds to target (mean over the seeds that reached it): "
-             + ranking("rounds_to_target_mean")]
+             + ranking("rounds_to_target_mean", table.raw, "configuration")]
     notes.extend(f"Simulated time to target @ {link.name} (s): "
-                 + ranking(f"sim_time_to_target_s_mean@{link.name}") for link in links)
+                 + ranking(f"sim_time_to_target_s_mean@{link.name}", table.raw, "configuration")
+                 for link in links)
     return notes
 
 
@@ -285,6 +402,8 @@ def _render(manifest: dict[str, Any], sections: list[Section]) -> str:
             lines += ["; ".join(facts).capitalize(), ""]
         if section.commands:
             lines += ["```bash", *section.commands, "```", ""]
+        if section.overview is not None:
+            lines += [markdown_table(section.overview), ""]
         lines += [markdown_table(section.table), ""]
         lines += [f"- {note}" for note in section.notes]
         lines += [""] + [f"![{fig.stem}]({fig.name})" for fig in section.figures]

@@ -73,15 +73,22 @@ def markdown_table(table: Table) -> str:
 
 
 def write_csv(tables: Sequence[tuple[str, Table]], path: Path) -> Path:
-    """One CSV row per configuration of every experiment (``experiment`` column first)."""
+    """One CSV row per configuration of every experiment (``experiment`` column first).
+
+    Nested raw values (per-seed details for the figures) stay out of the CSV.
+    """
+
+    def flat(raw: dict[str, object]) -> dict[str, object]:
+        return {k: v for k, v in raw.items() if not isinstance(v, (dict, list))}
+
     keys: list[str] = ["experiment"]
     for _, table in tables:
         for raw in table.raw:
-            keys.extend(k for k in raw if k not in keys)
+            keys.extend(k for k in flat(raw) if k not in keys)
     with path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=keys)
         writer.writeheader()
         for name, table in tables:
             for raw in table.raw:
-                writer.writerow({"experiment": name, **raw})
+                writer.writerow({"experiment": name, **flat(raw)})
     return path
