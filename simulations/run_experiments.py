@@ -3,7 +3,8 @@
 Usage::
 
     python simulations/run_experiments.py \\
-        --experiment {sharding,sharding_at_scale,ternary,gossip,compressed_gossip,robustness,all} \\
+        --experiment {sharding,sharding_at_scale,ternary,ternary_resnet8,gossip,
+                      compressed_gossip,robustness,all} \\
         --seeds 0 1 2 --dataset digits --out results/ [--data-root R] [--quick] [--resume] \\
         [--jobs N] [--engine {ray,inline}]
 
@@ -44,7 +45,8 @@ __all__ = [
 ]
 
 EXPERIMENTS: tuple[str, ...] = (
-    "sharding", "sharding_at_scale", "ternary", "gossip", "compressed_gossip", "robustness")
+    "sharding", "sharding_at_scale", "ternary", "ternary_resnet8", "gossip", "compressed_gossip",
+    "robustness")
 
 Runner = Callable[[dict[str, Any]], dict[str, Any]]
 

@@ -101,6 +101,25 @@ def test_round_series_rejects_missing_fields() -> None:
     with pytest.raises(ValueError, match="wall_s"):
         round_series({"rounds": [{"round": 1, "accuracy": 0.5, "loss": 1, "bytes_up": 1,
                                   "bytes_down": 1}]})
+    row = {"round": 1, "accuracy": 0.5, "loss": None, "bytes_up": 1, "bytes_down": 1,
+           "wall_s": 0.1}
+    assert np.isnan(round_series({"rounds": [row]})["loss"][0])  # a diverged model's loss
+    with pytest.raises(ValueError, match="no evaluated round"):
+        round_series({"rounds": [{**row, "accuracy": None}]})
+    # eval-every = 2: curves at rounds 2 and 4, bytes of rounds 1-4 counted.
+    every_other = round_series({"rounds": [
+        {**row, "round": n, "accuracy": None if n % 2 else n / 10, "bytes_up": 10 * n}
+        for n in (1, 2, 3, 4)]})
+    np.testing.assert_array_equal(every_other["round"], [2, 4])
+    np.testing.assert_array_equal(every_other["accuracy"], [0.2, 0.4])
+    np.testing.assert_array_equal(every_other["cum_bytes"], [10 + 20 + 2, 100 + 4])
+    link = Link("l", 1000.0, 0.0)
+    every = round_series({"rounds": [{**row, "round": n, "accuracy": n / 10}
+                                     for n in (1, 2, 3, 4)]})
+    sparse = round_series({"rounds": [{**row, "round": n, "accuracy": None if n % 2 else n / 10}
+                                      for n in (1, 2, 3, 4)]})
+    np.testing.assert_allclose(simulated_round_times(sparse, link),
+                               simulated_round_times(every, link)[[1, 3]])
 
 
 def test_aggregate_rounds_truncates_to_shortest_run() -> None:

@@ -158,3 +158,25 @@ def test_cleanup_recorded_deletes_only_listed_namespaces(supported: None, tmp_pa
     assert sorted(removed) == sorted(names)
     assert not set(names) & _existing()
     net.down()  # nothing left to delete: no error
+
+
+def test_real_gossip_peers_train_over_mutual_tls_on_the_testbed(supported: None,
+                                                                tmp_path: Path) -> None:
+    """Two real peers in their own namespaces: they must talk TLS (non-loopback addresses)."""
+    from fedddl.network import NetworkModel
+    from fedddl.testbed.gossip_run import run_gossip_testbed
+
+    before = _existing()
+    result = run_gossip_testbed(
+        NetworkModel.homogeneous(2, latency_s=0.001), tmp_path / "run", scheduler="random",
+        overlap=True, target=0.0,
+        peer_options={"steps": 20, "min-step-s": 0.0, "dataset": "digits", "eval-every": 10},
+        timeout_s=180.0,
+    )
+    assert result["steps_per_node"] == [20, 20]
+    assert result["messages"] > 0 and result["bytes_total"] > 0 and result["send_failures"] == 0
+    assert result["time_to_target_s"] is not None and 0.0 <= result["final_accuracy"] <= 1.0
+    assert (tmp_path / "run" / "tls" / "gossip" / "node-1.pem").is_file()
+    logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("peer-*.log"))
+    assert "--insecure" not in logs and "error" not in logs.lower()
+    assert _existing() == before  # namespaces torn down

@@ -147,7 +147,7 @@ def plot_final_bars(
     for by_label in values.values():
         labels.extend(k for k in by_label if k not in labels)
     groups = list(values)
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(groups) * len(labels) + 1.5), 3.6))
+    fig, ax = plt.subplots(figsize=(min(14.0, max(6.0, 0.22 * len(groups) * len(labels) + 2)), 3.6))
     colors = plt.get_cmap("tab10")
     width = 0.8 / max(1, len(labels))
     for j, label in enumerate(labels):

@@ -125,7 +125,14 @@ def round_series(result: Mapping[str, Any]) -> dict[str, np.ndarray]:
     Raises
     ------
     ValueError
-        If the result has no rounds or a round misses a field.
+        If the result has no rounds or no evaluated round, or a round misses a field.
+
+    Notes
+    -----
+    Only evaluated rounds are kept (``eval-every`` > 1 leaves the others with a null
+    accuracy); ``bytes_*`` and ``wall_s`` stay per round, while ``cum_bytes`` and
+    ``cum_wall_s`` count every round up to the kept one. A null ``loss`` (a diverged
+    model) becomes NaN.
     """
     rounds = sorted(result.get("rounds", []), key=lambda r: int(r["round"]))
     if not rounds:
@@ -137,10 +144,13 @@ def round_series(result: Mapping[str, Any]) -> dict[str, np.ndarray]:
         rows.append([0.0, float(initial["accuracy"]), float(initial.get("loss", np.nan)),
                      0.0, 0.0, 0.0])
     for r in rounds:
-        try:
-            rows.append([float(r[key]) for key in keys])
-        except KeyError as exc:
-            raise ValueError(f"simulate result round lacks field {exc.args[0]!r}") from exc
+        missing = [key for key in keys if key not in r]
+        if missing:
+            raise ValueError(f"simulate result round lacks field {missing[0]!r}")
+        # A round without evaluation (eval-every > 1) has a null accuracy and loss; a
+        # diverged model's loss is not finite, which the results JSON stores as null too.
+        rows.append([np.nan if r[key] is None and key in ("accuracy", "loss") else float(r[key])
+                     for key in keys])
     table = np.array(rows, dtype=np.float64)
     out = {key: table[:, i].copy() for i, key in enumerate(keys)}
     out["wall_s_raw"] = out["wall_s"].copy()
@@ -149,7 +159,11 @@ def round_series(result: Mapping[str, Any]) -> dict[str, np.ndarray]:
         out["wall_s"][trained[0]] = float(np.median(out["wall_s"][trained[1:]]))
     out["cum_bytes"] = np.cumsum(out["bytes_up"] + out["bytes_down"])
     out["cum_wall_s"] = np.cumsum(out["wall_s"])
-    return out
+    evaluated = ~np.isnan(out["accuracy"])
+    if not evaluated.any():
+        raise ValueError("simulate result has no evaluated round")
+    # Curves are drawn at the evaluated rounds; bytes and time count every round.
+    return {key: values[evaluated] for key, values in out.items()}
 
 
 def simulated_round_times(series: Mapping[str, np.ndarray], link: Link) -> np.ndarray:
@@ -159,7 +173,8 @@ def simulated_round_times(series: Mapping[str, np.ndarray], link: Link) -> np.nd
     on a shared machine single rounds stall when other jobs run, and the median
     keeps those stalls (which have nothing to do with the strategy) out of the
     comparison. A round that moved no bytes and did no training (the initial
-    evaluation, round 0) costs nothing.
+    evaluation, round 0) costs nothing. When only every N-th round was evaluated (and
+    kept by :func:`round_series`), each kept round counts for the N rounds up to it.
     """
     trained = series["round"] > 0
     compute = float(np.median(series["wall_s"][trained])) if np.any(trained) else 0.0
@@ -172,7 +187,9 @@ def simulated_round_times(series: Mapping[str, np.ndarray], link: Link) -> np.nd
         if down > 0:
             total += transfer_time(down, link)
         times.append(total)
-    return np.cumsum(np.array(times, dtype=np.float64))
+    # Evaluated every N rounds: each kept round stands for the N rounds up to it.
+    gaps = np.diff(series["round"], prepend=0.0)
+    return np.cumsum(np.array(times, dtype=np.float64) * gaps)
 
 
 def first_reach(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray,

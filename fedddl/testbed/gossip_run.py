@@ -6,7 +6,10 @@ the fastest of those, its downlink the fastest link into it), and the profile's
 ``latency_s[i][j]`` is added by the peer's own shaper (``--shaper``; no netem
 here), once per message as in :class:`fedddl.network.NetworkModel`.
 
-Peers start, wait until every one serves, then all get the peer list at once
+Peers talk over mutual TLS, as real peers must (namespace addresses are not
+loopback, so ``--insecure`` is refused): the run issues one certificate per node
+(:func:`fedddl.deploy.certs.write_tls_material`) into ``WORK_DIR/tls`` and gives each
+peer ``--tls-dir``. Peers start, wait until every one serves, then all get the peer list at once
 (``peers.json``) and train; the run ends when each has done its steps (or at the
 time bound). The result has the shape of ``fedddl gossip``'s (``curve`` of mean
 test accuracy over nodes against *real* seconds, ``time_to_target_s``,
@@ -22,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedddl.deploy.certs import write_tls_material
 from fedddl.deploy.processes import DeploymentError, ManagedProcess, ProcessRegistry, start_process
 from fedddl.gossip.peer_files import METRICS_FILE, NODE_FILE, read_json, write_peers
 from fedddl.network import NetworkModel
@@ -115,6 +119,7 @@ def run_gossip_testbed(
     registry = ProcessRegistry()
     options = {"scheduler": scheduler, "max-lifetime-s": timeout_s, **peer_options}
     extra = [] if overlap else ["--no-overlap"]
+    tls = write_tls_material(work / "tls", gossip_peers=n).gossip_dir
     net = Testbed(gossip_rates(network), record=work / "namespaces.json")
     try:
         net.up()
@@ -123,7 +128,7 @@ def run_gossip_testbed(
             argv = [sys.executable, "-m", "fedddl.gossip.peer", "--node-id", str(i),
                     "--num-nodes", str(n), "--bind", f"{net.address(i)}:{PEER_PORT}",
                     "--state-dir", str(work / f"node-{i}"), "--shaper", shaper_spec(network, i),
-                    *extra]
+                    "--tls-dir", str(tls), *extra]
             for key, value in options.items():
                 argv += [f"--{key}", str(value)]
             peers.append(registry.add(start_process(
