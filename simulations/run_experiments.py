@@ -41,7 +41,8 @@ from fedddl.progress import Progress
 from fedddl.report.manifest import MANIFEST_NAME, write_manifest
 
 __all__ = [
-    "EXPERIMENTS", "build_parser", "hardware_description", "main", "parse_only", "run_suite",
+    "EXPERIMENTS", "RunsFailed", "build_parser", "hardware_description", "main", "parse_only",
+    "run_suite",
 ]
 
 EXPERIMENTS: tuple[str, ...] = (
@@ -49,6 +50,10 @@ EXPERIMENTS: tuple[str, ...] = (
     "robustness")
 
 Runner = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+class RunsFailed(RuntimeError):
+    """Some runs raised in worker processes; every other run was saved."""
 
 
 def hardware_description() -> str:
@@ -104,7 +109,8 @@ def _run_spec(
 
     With ``jobs > 1`` that many runs go at a time in worker processes; files and the
     manifest are written here, in the order runs end, so an interrupted suite keeps
-    every finished run whatever the order.
+    every finished run whatever the order. A run that fails there does not stop the
+    others: once they end, :class:`RunsFailed` names every failed run.
     """
     entries = [{"label": v.label, "group": v.group, "config": v.config, "runs": []}
                for v in spec.variants]
@@ -152,6 +158,7 @@ def _run_spec(
         from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
         context = multiprocessing.get_context("spawn")  # no forked torch/Ray state
+        failed: list[str] = []
         with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
             futures = {pool.submit(timed_run, runner, config): (index, seed)
                        for index, seed, config in pending}
@@ -159,7 +166,18 @@ def _run_spec(
                 done, _ = wait(futures, return_when=FIRST_COMPLETED)
                 for future in done:
                     index, seed = futures.pop(future)
-                    finish(index, seed, *future.result())
+                    try:
+                        result, runtime = future.result()
+                    except Exception as exc:  # keep the other runs; report this one below
+                        variant = spec.variants[index]
+                        failed.append(f"{variant.group} {variant.label} seed {seed}: "
+                                      f"{type(exc).__name__}: {exc}".strip())
+                        _say(progress, f"[{spec.name}] FAILED {failed[-1]}")
+                        continue
+                    finish(index, seed, result, runtime)
+        if failed:
+            raise RunsFailed(f"{len(failed)} run(s) of {spec.name} failed (the others are "
+                               "saved; --resume reruns only these): " + "; ".join(failed))
     return [e for e in entries if e["runs"]]
 
 
@@ -375,11 +393,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = shlex.join(["python", "simulations/run_experiments.py",
                           *(a for a in given if a != "--resume")])
     runs = sum(len(spec.variants) for spec in specs) * len(args.seeds)
-    with Progress(runs, "experiments", unit="runs", stream=sys.stdout) as progress:
-        run_suite(names, args.seeds, args.out, dataset=args.dataset, data_root=args.data_root,
-                  quick=args.quick, resume=args.resume, report=not args.no_report,
-                  command=command, only=only, progress=progress, jobs=args.jobs,
-                  engine=args.engine)
+    try:
+        with Progress(runs, "experiments", unit="runs", stream=sys.stdout) as progress:
+            run_suite(names, args.seeds, args.out, dataset=args.dataset, data_root=args.data_root,
+                      quick=args.quick, resume=args.resume, report=not args.no_report,
+                      command=command, only=only, progress=progress, jobs=args.jobs,
+                      engine=args.engine)
+    except RunsFailed as exc:  # the other runs are saved
+        print(f"run_experiments: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -365,3 +365,19 @@ def test_robustness_matrix_runs_real_attackers_and_draws_final_bars(tmp_path: Pa
         assert result["config"]["aggregator"] == variant["config"].get("aggregator", "mean")
     _png_ok(out / "robustness_final.png")
     assert "](robustness_final.png)" in (out / "report.md").read_text()
+
+
+def test_a_failing_run_in_a_worker_keeps_the_others_and_is_named(tmp_path: Path) -> None:
+    import dataclasses
+
+    driver = load_script("run_experiments")
+    spec = driver.load_experiment("sharding_at_scale", quick=True)
+    good, bad = spec.variants[0], spec.variants[1]
+    bad = dataclasses.replace(bad, config={**bad.config, "learning-rate": -1.0})
+    spec = dataclasses.replace(spec, variants=[good, bad])
+    saved: list[list[dict[str, Any]]] = []
+    with pytest.raises(driver.RunsFailed, match=r"1 run\(s\).*random seed 0: ValueError"):
+        driver._run_spec(spec, [0], tmp_path, resume=False,
+                         runner=driver.RUNNERS["simulate-inline"], on_run=saved.append, jobs=2)
+    assert [e["label"] for e in saved[-1]] == ["stratified"]  # the good run is recorded
+    assert (tmp_path / saved[-1][0]["runs"][0]["result"]).is_file()
