@@ -54,19 +54,11 @@ def parse_setting(text: str) -> tuple[str, dict[str, Any]]:
 def run_one(job: tuple[str, dict[str, Any], int, int]) -> dict[str, Any]:
     """Run one setting with one seed in this process; return its rounds and summary."""
     label, keys, seed, num_clients = job
-    sys.path.insert(0, str(ROOT))
-    import torch
+    sys.path.insert(0, str(ROOT / "simulations"))
+    from tool_runners import run_simulate_inline, timed_run
 
-    from clients.client_app import make_client_app
-    from fedddl.app_config import AppConfig
-    from strategies.server_app import run_server
-    from tests.support.inline_grid import InlineGrid
-
-    torch.set_num_threads(1)
-    cfg = AppConfig.from_run_config({**keys, "seed": seed})
-    cfg = cfg.replace(min_available_nodes=num_clients)
-    start = time.perf_counter()
-    result = run_server(InlineGrid(make_client_app(cfg), num_clients), cfg, progress=None)
+    result, seconds = timed_run(run_simulate_inline,
+                                {**keys, "seed": seed, "num-clients": num_clients})
     curve = [(r["round"], r["accuracy"]) for r in result["rounds"] if r["accuracy"] is not None]
     return {
         "label": label,
@@ -75,7 +67,7 @@ def run_one(job: tuple[str, dict[str, Any], int, int]) -> dict[str, Any]:
         "final_accuracy": result["final_accuracy"],
         "bytes_up": result["summary"]["mean_bytes_up"],
         "bytes_down": result["summary"]["mean_bytes_down"],
-        "seconds": time.perf_counter() - start,
+        "seconds": seconds,
     }
 
 
@@ -132,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     labels = [label for label, _ in settings]
     if len(set(labels)) != len(labels):
         parser.error("setting labels must differ")
+    if any("num-clients" in keys for keys in (base, *(k for _, k in settings))):
+        parser.error("num-clients is not a run-config key; give --num-clients")
     if args.jobs < 1 or args.num_clients < 1 or not seeds:
         parser.error("--jobs and --num-clients must be >= 1, --seeds non-empty")
     jobs = [(label, {**base, **keys}, seed, args.num_clients)
