@@ -171,8 +171,7 @@ def _simulate_section(name: str, exp: dict[str, Any], root: Path) -> Section:
                 [r for r in variant["runs"] if "shards" in r], reports, strict=True)}
             # "all clients" variants share shards; of a matrix, the first group's
             if reports[0] not in shard_reports.values() and variant["label"] not in shard_reports:
-                name_ = variant["label"] if group else label
-                shard_reports[name_] = reports[0]
+                shard_reports[variant["label"]] = reports[0]
             for key, col in (("kl_divergence_mean", "kl"), ("max_abs_deviation_mean", "max_dp"),
                              ("feature_mean_abs_dev_mean", "pixel_mean_dev"),
                              ("feature_var_abs_dev_mean", "pixel_var_dev")):
@@ -184,10 +183,10 @@ def _simulate_section(name: str, exp: dict[str, Any], root: Path) -> Section:
     figures: list[Path] = []
     title = f"{exp.get('title', name)} ({exp.get('dataset', '')})".replace(" ()", "")
     if len(groups) > 1:  # a matrix: one accuracy panel per group, nothing else per round
-        finals: dict[str, dict[str, tuple[float, float]]] = {}
-        for raw in table.raw:
-            finals.setdefault(str(raw["group"]), {})[str(raw["variant"])] = (
-                _number(raw, "final_accuracy_mean"), _number(raw, "final_accuracy_std"))
+        finals = {group: {str(raw["variant"]): (_number(raw, "final_accuracy_mean"),
+                                                _number(raw, "final_accuracy_std"))
+                          for raw in raws}
+                  for group, raws in _rows_by_group(table).items()}
         figures.append(plot_final_bars(finals, root / f"{name}_final.png",
                                        suptitle=f"{title}: final accuracy (mean ± std)"))
         figures.append(plot_bands([(g, "round", bands) for g, bands in groups.items()],
@@ -220,6 +219,14 @@ def _simulate_section(name: str, exp: dict[str, Any], root: Path) -> Section:
     return Section(name, exp.get("title", name), exp.get("claim", ""), table, figures,
                    _simulate_notes(table, links, grouped=len(groups) > 1), exp.get("runtime_s"),
                    _commands(exp), list(exp.get("seeds", [])), overview)
+
+
+def _rows_by_group(table: Table) -> dict[str, list[dict[str, object]]]:
+    """The table's raw rows by their group, groups and rows in table order."""
+    by_group: dict[str, list[dict[str, object]]] = {}
+    for raw in table.raw:
+        by_group.setdefault(str(raw["group"]), []).append(raw)
+    return by_group
 
 
 def _by_seed(raw: dict[str, object], key: str) -> dict[Any, Any]:
@@ -269,15 +276,15 @@ def _overview(table: Table, target: float) -> Table:
     overview = Table(f"{table.title}: final accuracy ± std / mean of the last {_LAST} "
                      f"evaluations (rounds to {target:.2f}, seeds that reached it)",
                      ["Setting", *variants])
-    rows: dict[str, dict[str, str]] = {}
-    for raw in table.raw:
-        cell = (fmt_pm(_number(raw, "final_accuracy_mean"), _number(raw, "final_accuracy_std"))
-                + f" / {_number(raw, 'last_evaluations_mean'):.3f}")
-        rounds = _number(raw, "rounds_to_target_mean")
-        reached, seeds = int(_number(raw, "seeds_reached_target")), int(_number(raw, "seeds"))
-        cell += f" ({'–' if np.isnan(rounds) else f'{rounds:.1f}'}, {reached}/{seeds})"
-        rows.setdefault(str(raw["group"]), {})[str(raw["variant"])] = cell
-    for group, cells in rows.items():
+    for group, raws in _rows_by_group(table).items():
+        cells: dict[str, str] = {}
+        for raw in raws:
+            rounds = _number(raw, "rounds_to_target_mean")
+            reached, seeds = int(_number(raw, "seeds_reached_target")), int(_number(raw, "seeds"))
+            cells[str(raw["variant"])] = (
+                fmt_pm(_number(raw, "final_accuracy_mean"), _number(raw, "final_accuracy_std"))
+                + f" / {_number(raw, 'last_evaluations_mean'):.3f}"
+                + f" ({'–' if np.isnan(rounds) else f'{rounds:.1f}'}, {reached}/{seeds})")
         overview.add([group, *(cells.get(v, "") for v in variants)], {"group": group})
     return overview
 
@@ -322,12 +329,9 @@ def _simulate_notes(table: Table, links: list[Link], *, grouped: bool = False) -
         return text + (f"; never reached: {', '.join(missed)}" if missed else "")
 
     if grouped:
-        by_group: dict[str, list[dict[str, object]]] = {}
-        for raw in table.raw:
-            by_group.setdefault(str(raw["group"]), []).append(raw)
         return [f"{group}: rounds to target: "
                 + ranking("rounds_to_target_mean", raws, "variant") + _paired(raws)
-                for group, raws in by_group.items()]
+                for group, raws in _rows_by_group(table).items()]
     notes = ["Rounds to target (mean over the seeds that reached it): "
              + ranking("rounds_to_target_mean", table.raw, "configuration")]
     notes.extend(f"Simulated time to target @ {link.name} (s): "
