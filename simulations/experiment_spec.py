@@ -162,17 +162,14 @@ def load_experiment(
     if data_root:
         base["data-root"] = data_root
     matrix = _table(doc, "matrix", path)
-    overrides = _table(_table(doc, "datasets", path), dataset, path)
-    if "matrix" in overrides:
-        matrix = _table(overrides, "matrix", path)
-        del overrides["matrix"]
-    base.update(overrides)
+    layers = [_table(_table(doc, "datasets", path), dataset, path)]
     if quick:
-        quick_overrides = _table(doc, "quick", path)
-        if "matrix" in quick_overrides:
-            matrix = _table(quick_overrides, "matrix", path)
-            del quick_overrides["matrix"]
-        base.update(quick_overrides)
+        layers.append(_table(doc, "quick", path))
+    for overrides in layers:  # each may replace the matrix as well as keys
+        if "matrix" in overrides:
+            matrix = _table(overrides, "matrix", path)
+            del overrides["matrix"]
+        base.update(overrides)
     target = float(base.pop("target-accuracy", meta.get("target-accuracy", 0.9)))
     if not 0.0 < target <= 1.0:
         raise ValueError(f"{path}: target-accuracy must be in (0, 1], got {target}")
