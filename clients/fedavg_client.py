@@ -35,7 +35,8 @@ def handle_fedavg_train(message: Message, context: Context, cfg: AppConfig) -> M
     server_round = int(config.get("server-round", 0)) if config is not None else 0  # type: ignore[arg-type]
     generator = torch.Generator().manual_seed(derive_seed(cfg.seed, pid, server_round, 3))
     batches = iterate_minibatches(x, y, min(cfg.batch_size, x.shape[0]), generator)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.learning_rate, momentum=cfg.momentum)
+    lr = cfg.lr_decay().rate(cfg.learning_rate, server_round)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.momentum)
     loss, examples = local_sgd(model, batches, cfg.local_steps, optimizer)
     content = RecordDict(
         {

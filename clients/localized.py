@@ -33,7 +33,9 @@ def compute_reply(message: Message, context: Context, cfg: AppConfig) -> ClientR
     pid, num = partition_of(context.node_config)
     model_fn = cfg.model_factory(device=resolve_device(cfg.device))
     key = (context.run_id, context.node_id)
-    state = load_state(context.state, model_fn, cfg.learning_rate, cfg.momentum, key=key)
+    state = load_state(
+        context.state, model_fn, cfg.learning_rate, cfg.momentum, key=key, lr_decay=cfg.lr_decay()
+    )
     reply = run_instruction(
         state,
         instruction,

@@ -57,6 +57,7 @@ from fedddl.flower.records import (
     tensors_to_record,
     unpack_tensors,
 )
+from fedddl.lr_decay import NO_DECAY, StepDecay
 from fedddl.replica import Replica, ReplicaError
 from fedddl.sync.worker import WorkerState
 
@@ -90,6 +91,7 @@ def load_state(
     momentum: float,
     *,
     key: Hashable | None = None,
+    lr_decay: StepDecay = NO_DECAY,
 ) -> WorkerState:
     """Rebuild the client's state from ``context.state`` (empty → no replica).
 
@@ -121,6 +123,7 @@ def load_state(
             replica is not None
             and replica.learning_rate == learning_rate
             and replica.momentum == momentum
+            and replica.lr_decay == lr_decay
         ):
             if cached_token == token and replica.version == version:
                 return cached
@@ -128,7 +131,7 @@ def load_state(
                 caught_up = _catch_up(replica, state, saved, version)
                 if caught_up is not None:
                     return WorkerState(replica, name, ResidualMemory(residuals), caught_up, saved)
-    replica = Replica(model_fn(), learning_rate, momentum, version=0)
+    replica = Replica(model_fn(), learning_rate, momentum, version=0, lr_decay=lr_decay)
     blob = snapshot.get(BLOB_KEY)
     if blob is None:
         raise ValueError("context.state replica record has no 'blob' Array")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedddl.defenses import Defenses
 from fedddl.devices import check_device_name
+from fedddl.lr_decay import StepDecay
 
 if TYPE_CHECKING:
     import torch
@@ -73,6 +74,9 @@ class AppConfig:
         Shared seed of the model initialisation, shards and sampling.
     learning_rate, momentum : float
         SGD parameters of the shared optimiser (applied identically by every replica).
+    lr_milestones, lr_gamma : str, float
+        Step decay of the learning rate: ``"200,300"`` multiplies it by ``lr_gamma`` after
+        round 200 and again after round 300 (:mod:`fedddl.lr_decay`); empty: constant.
     batch_size : int
         Minibatch size of each client per local step.
     local_steps : int
@@ -162,6 +166,8 @@ class AppConfig:
     seed: int = 0
     learning_rate: float = 0.1
     momentum: float = 0.9
+    lr_milestones: str = ""
+    lr_gamma: float = 0.1
     batch_size: int = 32
     local_steps: int = 1
     fraction_train: float = 1.0
@@ -212,6 +218,7 @@ class AppConfig:
             )
         if not self.learning_rate > 0:
             raise ValueError(f"learning-rate must be > 0, got {self.learning_rate}")
+        self.lr_decay()  # validates lr-milestones and lr-gamma
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
         if self.batch_size < 1:
@@ -327,6 +334,10 @@ class AppConfig:
         if device is None:
             return build
         return lambda: build().to(device)
+
+    def lr_decay(self) -> StepDecay:
+        """The learning-rate step decay of ``lr-milestones`` / ``lr-gamma``."""
+        return StepDecay.parse(self.lr_milestones, self.lr_gamma)
 
     def defenses(self) -> Defenses:
         """The server's defence settings (:class:`fedddl.defenses.Defenses`).

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fedddl.lr_decay import NO_DECAY, StepDecay
 from fedddl.running_stats import (
     StatisticsError,
     apply_statistics,
@@ -87,10 +88,19 @@ class Replica:
         SGD momentum (0 disables the buffers).
     version : int
         Number of updates already applied to ``model`` (0 for the seeded initial model).
+    lr_decay : StepDecay
+        Step decay of ``learning_rate`` by the version an update produces (the round that
+        made it); the optimiser's stored rate stays ``learning_rate``.
     """
 
     def __init__(
-        self, model: nn.Module, learning_rate: float, momentum: float, version: int = 0
+        self,
+        model: nn.Module,
+        learning_rate: float,
+        momentum: float,
+        version: int = 0,
+        *,
+        lr_decay: StepDecay = NO_DECAY,
     ) -> None:
         if version < 0:
             raise ReplicaError(f"replica version must be >= 0, got {version}")
@@ -98,6 +108,7 @@ class Replica:
         self.learning_rate = learning_rate
         self.momentum = momentum
         self.version = version
+        self.lr_decay = lr_decay
         self._params: OrderedDict[str, nn.Parameter] = OrderedDict(
             (n, p) for n, p in model.named_parameters() if p.requires_grad
         )
@@ -153,7 +164,12 @@ class Replica:
                 raise ReplicaError(f"update statistics: {err}") from err
         for name, param in self._params.items():
             param.grad = update[name].detach().to(device=param.device, dtype=param.dtype).clone()
+        rate = self.lr_decay.rate(self.learning_rate, version)
+        for group in self.optimizer.param_groups:
+            group["lr"] = rate
         self.optimizer.step()
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.learning_rate
         self.optimizer.zero_grad(set_to_none=True)
         if statistics:
             apply_statistics(self.model, statistics)

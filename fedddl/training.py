@@ -144,8 +144,29 @@ def check_tensors_like(
                 f"{what} {name!r} has shape {tuple(tensor.shape)}, "
                 f"parameter has {tuple(param.shape)}"
             )
-        if finite and not bool(torch.isfinite(tensor).all()):
-            raise error(f"{what} {name!r} has non-finite values")
+    if finite and not _all_finite([tensors[name] for name in params]):
+        for name in params:
+            if not bool(torch.isfinite(tensors[name]).all()):
+                raise error(f"{what} {name!r} has non-finite values")
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """True when every value is finite; one fused reduction over all tensors.
+
+    The 1-norms are sums of absolute values: a NaN or an infinity makes one non-finite. A
+    float32 sum can also overflow on finite values above ~1e38 in total, so False only
+    means "check tensor by tensor" (the caller does, to name the tensor).
+    """
+    if not tensors:
+        return True
+    by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_device.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    for group in by_device.values():
+        norms = torch._foreach_norm(group, 1)
+        if not bool(torch.isfinite(torch.stack(norms)).all()):
+            return False
+    return True
 
 
 def set_gradients(model: nn.Module, grads: Mapping[str, torch.Tensor]) -> None:

@@ -100,6 +100,7 @@ class TernGrad(ReplicaServer, Strategy):
             model_fn,
             learning_rate=cfg.learning_rate,
             momentum=cfg.momentum,
+            lr_decay=cfg.lr_decay(),
             compressor=cfg.compressor,
             clip_sigma=cfg.clip_sigma,
             downlink=cfg.downlink,

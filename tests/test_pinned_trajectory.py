@@ -10,14 +10,17 @@ Regenerate (only for a deliberate behaviour change, and say so in the commit)::
 
     python -m tests.test_pinned_trajectory --record
 
-Float results depend on the CPU's vector instructions and the torch build: on a machine
-whose ``torch.backends.cpu.get_cpu_capability()`` or torch version differs from the
-recording's, the test is skipped with that reason.
+Float results depend on the CPU (vendor and vector instructions: the same AVX-512 build of
+torch gives other last bits on AMD than on Intel) and the torch build. The file holds one
+recording per environment (``cpu_vendor``, ``torch.backends.cpu.get_cpu_capability()``,
+torch version); on a machine that matches none of them the test is skipped with that
+reason. ``--record`` adds (or replaces) this machine's recording.
 """
 
 from __future__ import annotations
 
 import json
+import platform
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,10 +51,22 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 }
 
 
+def _cpu_vendor() -> str:
+    """The CPU vendor id (``GenuineIntel``, ``AuthenticAMD``; else the machine type)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def _environment() -> dict[str, str]:
     return {
         "torch": torch.__version__.split("+")[0],
         "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
+        "cpu_vendor": _cpu_vendor(),
     }
 
 
@@ -101,11 +116,13 @@ def run_scenario(name: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def pinned() -> dict[str, Any]:
-    data: dict[str, Any] = json.loads(PINNED.read_text())
+    recordings: list[dict[str, Any]] = json.loads(PINNED.read_text())["recordings"]
     here = _environment()
-    if data["environment"] != here:
-        pytest.skip(f"pinned on {data['environment']}, this machine is {here}")
-    return data
+    for data in recordings:
+        if data["environment"] == here:
+            return data
+    pinned_on = [data["environment"] for data in recordings]
+    pytest.skip(f"pinned on {pinned_on}, this machine is {here}")
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
@@ -132,7 +149,9 @@ def _record() -> None:
         "environment": _environment(),
         "scenarios": {name: run_scenario(name) for name in sorted(SCENARIOS)},
     }
-    PINNED.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    recordings = json.loads(PINNED.read_text())["recordings"] if PINNED.exists() else []
+    others = [r for r in recordings if r["environment"] != data["environment"]]
+    PINNED.write_text(json.dumps({"recordings": [*others, data]}, indent=1, sort_keys=True) + "\n")
     print(f"wrote {PINNED}")
 
 

@@ -78,6 +78,16 @@ def test_time_to_target_sums_round_times_until_the_first_crossing() -> None:
     assert ratio(10.0, 8.0) == 1.25 and ratio(None, 8.0) is None and ratio(1.0, 0.0) is None
 
 
+def test_rounds_without_evaluation_count_only_their_time() -> None:
+    # eval-every 2: rounds 1 and 3 have no accuracy (None), as the recorder writes them
+    run = _result([2.0, 3.0, 4.0, 1.0], [None, 0.5, None, 0.8], 1, 1)  # type: ignore[list-item]
+    assert time_to_target(run, 0.7) == 10.0
+    assert time_to_target(run, 0.4) == 5.0
+    reference = _result([1.0, 1.0, 1.0, 1.0], [None, 0.5, None, 0.8], 1, 1)  # type: ignore[list-item]
+    p = predict_flower(run, reference, [LinkRates()] * 2, target=0.7)
+    assert p["time_to_target_s"] == pytest.approx(p["total_s"])
+
+
 def test_mean_accuracy_curve_aligns_nodes_on_wall_clock() -> None:
     metrics = [
         {"started_at": 100.0,

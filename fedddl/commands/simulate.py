@@ -51,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--local-steps", type=int, default=1, help="SGD minibatch steps per client per round"
     )
     parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate")
+    parser.add_argument(
+        "--lr-milestones",
+        default="",
+        help="rounds after which the learning rate is multiplied by --lr-gamma, e.g. 200,300",
+    )
+    parser.add_argument("--lr-gamma", type=float, default=0.1, help="step-decay factor")
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, in [0, 1)")
     parser.add_argument(
         "--batch-size", type=int, default=32, help="samples per minibatch per client"
@@ -226,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
             dirichlet_alpha=args.dirichlet_alpha,
             seed=args.seed,
             learning_rate=args.lr,
+            lr_milestones=args.lr_milestones,
+            lr_gamma=args.lr_gamma,
             momentum=args.momentum,
             batch_size=args.batch_size,
             local_steps=args.local_steps,

@@ -158,7 +158,9 @@ def _check_like_params(
 def _shadow(ckpt: ServerCheckpoint, current: Replica) -> Replica:
     """A new shadow replica loaded from ``ckpt`` (``current`` is left unchanged)."""
     lr, momentum = current.learning_rate, current.momentum
-    shadow = Replica(copy.deepcopy(current.model), lr, momentum, version=0)
+    shadow = Replica(
+        copy.deepcopy(current.model), lr, momentum, version=0, lr_decay=current.lr_decay
+    )
     ckpt.restore_model(shadow.model)
     try:
         shadow.optimizer.load_state_dict(ckpt.optimizer_state)

@@ -14,9 +14,19 @@ same reason. Here, in both directions (client gradients and the server's broadca
 
 from __future__ import annotations
 
+from typing import Any
+from weakref import WeakKeyDictionary
+
 from torch import nn
 
 __all__ = ["WARMUP_COMPRESSOR", "exempt_parameters", "logits_parameters"]
+
+#: Exempt names by model (a client asks for its replica's every round; walking the module
+#: tree for the logits layer costs more than the rest of its work). A model's trainable
+#: parameters are fixed once it is a replica: the names are computed once per setting.
+_exempt_cache: WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], frozenset[str]]] = (
+    WeakKeyDictionary()
+)
 
 #: The compressor of the warm-up rounds.
 WARMUP_COMPRESSOR = "identity"
@@ -39,6 +49,9 @@ def logits_parameters(model: nn.Module) -> list[str]:
 def exempt_parameters(model: nn.Module, *, min_numel: int, logits: bool) -> frozenset[str]:
     """Names of the trainable parameters that travel in fp32.
 
+    Computed once per model and setting and remembered while the model lives (a replica's
+    trainable parameters do not change).
+
     Raises
     ------
     ValueError
@@ -46,7 +59,13 @@ def exempt_parameters(model: nn.Module, *, min_numel: int, logits: bool) -> froz
     """
     if min_numel < 0:
         raise ValueError(f"fp32-min-numel must be >= 0, got {min_numel}")
-    names = {n for n, p in model.named_parameters() if p.requires_grad and p.numel() < min_numel}
-    if logits:
-        names.update(logits_parameters(model))
-    return frozenset(names)
+    known = _exempt_cache.setdefault(model, {})
+    key = (min_numel, logits)
+    if key not in known:
+        names = {
+            n for n, p in model.named_parameters() if p.requires_grad and p.numel() < min_numel
+        }
+        if logits:
+            names.update(logits_parameters(model))
+        known[key] = frozenset(names)
+    return known[key]

@@ -66,6 +66,7 @@ from fedddl.compression.downlink import (
     encode_shared_sum,
 )
 from fedddl.defenses import Defenses
+from fedddl.lr_decay import NO_DECAY, StepDecay
 from fedddl.replica import CatchUp, Replica, ReplicaError, UpdateLog, plan_catch_up
 from fedddl.running_stats import StatisticsError, batchnorm_layers, check_statistics
 from fedddl.seeding import derive_seed
@@ -165,6 +166,7 @@ class ReplicaServer:
         *,
         learning_rate: float = 0.1,
         momentum: float = 0.9,
+        lr_decay: StepDecay = NO_DECAY,
         compressor: str = "ternary",
         clip_sigma: float = 2.5,
         downlink: str = "reternarize",
@@ -198,7 +200,7 @@ class ReplicaServer:
         self.scale_bound = self._new_scale_bound()
         self.resyncs = ResyncLimiter(self.defenses.resync_interval)
         self._limited: list[int] = []
-        self.shadow = Replica(model_fn(), learning_rate, momentum, version=0)
+        self.shadow = Replica(model_fn(), learning_rate, momentum, version=0, lr_decay=lr_decay)
         self._specs: dict[str, PayloadSpec] = {}
         self.param_names = [n for n, p in self.shadow.model.named_parameters() if p.requires_grad]
         self.dense = exempt_parameters(

@@ -122,14 +122,18 @@ def reach_version(
 ) -> Replica | None:
     """Bring ``state.replica`` to ``instruction.model_version``; None if that is impossible."""
     if instruction.snapshot is not None:
-        fresh = Replica(model_fn(), cfg.learning_rate, cfg.momentum, version=0)
+        fresh = Replica(
+            model_fn(), cfg.learning_rate, cfg.momentum, version=0, lr_decay=cfg.lr_decay()
+        )
         fresh.load_snapshot(instruction.snapshot, instruction.snapshot_version)
         state.replica, state.journal, state.saved_version = fresh, [], None
     elif state.replica is None:
         first = instruction.updates[0][0] if instruction.updates else instruction.model_version + 1
         if first != 1:
             return None
-        state.replica = Replica(model_fn(), cfg.learning_rate, cfg.momentum, version=0)
+        state.replica = Replica(
+            model_fn(), cfg.learning_rate, cfg.momentum, version=0, lr_decay=cfg.lr_decay()
+        )
         state.journal, state.saved_version = [], None
     replica = state.replica
     buffers = _device_buffers(replica)
@@ -152,9 +156,10 @@ def _device_buffers(replica: Replica) -> dict[str, torch.Tensor] | None:
 
     Broadcasts then decode on the device: only the packed bytes cross from the host.
     """
-    params = [(n, p) for n, p in replica.model.named_parameters() if p.requires_grad]
-    if not params or params[0][1].device.type == "cpu":
+    first = next(replica.model.parameters(), None)
+    if first is None or first.device.type == "cpu":
         return None
+    params = [(n, p) for n, p in replica.model.named_parameters() if p.requires_grad]
     return {n: torch.empty(p.shape, dtype=torch.float32, device=p.device) for n, p in params}
 
 
@@ -187,7 +192,7 @@ def run_instruction(
         y,
         batch_size=cfg.batch_size,
         local_steps=cfg.local_steps,
-        learning_rate=cfg.learning_rate,
+        learning_rate=cfg.lr_decay().rate(cfg.learning_rate, replica.version + 1),
         seed=derive_seed(cfg.seed, partition_id, instruction.server_round, 3),
     )
     compressor = make_compressor(

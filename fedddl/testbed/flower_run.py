@@ -98,11 +98,12 @@ def fab_size(app_dir: str | os.PathLike[str], env: Mapping[str, str]) -> int:
 
 def time_to_target(result: Mapping[str, Any], target: float) -> float | None:
     """Real seconds from the start of round 1 to the end of the first round whose accuracy
-    is ``>= target`` (cumulative ``wall_s``), or None if no round reached it."""
+    is ``>= target`` (cumulative ``wall_s``), or None if no round reached it. Rounds that
+    were not evaluated (``eval-every`` > 1: accuracy None) count only their time."""
     elapsed = 0.0
     for record in sorted(result["rounds"], key=lambda r: int(r["round"])):
         elapsed += float(record["wall_s"])
-        if float(record["accuracy"]) >= target:
+        if record["accuracy"] is not None and float(record["accuracy"]) >= target:
             return elapsed
     return None
 

@@ -107,7 +107,7 @@ def predict_flower(
         elapsed = 0.0
         for record, seconds in zip(rounds, times, strict=True):
             elapsed += seconds
-            if float(record["accuracy"]) >= target:
+            if record["accuracy"] is not None and float(record["accuracy"]) >= target:
                 reached = elapsed
                 break
     return {
