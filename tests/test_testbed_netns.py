@@ -170,7 +170,9 @@ def test_real_gossip_peers_train_over_mutual_tls_on_the_testbed(supported: None,
     result = run_gossip_testbed(
         NetworkModel.homogeneous(2, latency_s=0.001), tmp_path / "run", scheduler="random",
         overlap=True, target=0.0,
-        peer_options={"steps": 20, "min-step-s": 0.0, "dataset": "digits", "eval-every": 10},
+        # steps of at least 50 ms: on a loaded machine 20 free-running steps can end before
+        # the first exchange completes (seen with another experiment on both cores)
+        peer_options={"steps": 20, "min-step-s": 0.05, "dataset": "digits", "eval-every": 10},
         timeout_s=180.0,
     )
     assert result["steps_per_node"] == [20, 20]
