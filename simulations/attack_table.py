@@ -33,20 +33,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-# The same columns as AppConfig settings (the in-process runs).
-SETTINGS: dict[str, dict[str, Any]] = {
-    "plain mean": {"scale_bound": 0.0, "resync_interval": 0},
+# Each column's run-config keys (``fedddl simulate --KEY VALUE`` for the Ray runs).
+COLUMNS: dict[str, dict[str, Any]] = {
+    "plain mean": {"scale-bound": 0.0, "resync-interval": 0},
     "mean": {},
     "median": {"aggregator": "median"},
     "trimmed-mean": {"aggregator": "trimmed-mean"},
     "sign-vote": {"aggregator": "sign-vote"},
-}
-COLUMNS: dict[str, list[str]] = {
-    "plain mean": ["--scale-bound", "0", "--resync-interval", "0"],
-    "mean": [],
-    "median": ["--aggregator", "median"],
-    "trimmed-mean": ["--aggregator", "trimmed-mean"],
-    "sign-vote": ["--aggregator", "sign-vote"],
 }
 POISONING = ["scale:1e6", "scale:1e30", "sign-flip", "all-plus"]
 REFUSED = ["nan-metrics", "inf-metrics", "huge-examples", "many-tensors"]
@@ -71,34 +64,28 @@ def _name(attack: str, attackers: int, column: str) -> str:
     return f"{attack or 'clean'}-{attackers}-{column.replace(' ', '_')}.json".replace(":", "_")
 
 
+def run_config(
+    attack: str, attackers: int, column: str, rounds: int, downlink: str = "reternarize"
+) -> dict[str, Any]:
+    """One cell's run-config keys (and ``num-clients``), as ``fedddl simulate`` takes them."""
+    return {
+        "num-clients": CLIENTS, "num-server-rounds": rounds, "dataset": "digits",
+        "partition": "stratified", "seed": 0, "downlink": downlink,
+        "attack": attack, "num-attackers": attackers, **COLUMNS[column],
+    }  # fmt: skip
+
+
 def run_inline(
     attack: str, attackers: int, column: str, rounds: int, downlink: str = "reternarize"
 ) -> dict[str, Any]:
     """One cell on the in-process grid (no Ray): the results dict of the ServerApp loop."""
-    root = str(Path(__file__).resolve().parents[1])
-    if root not in sys.path:  # run as a script: the repository's packages
-        sys.path.insert(0, root)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: find siblings
     import torch
-
-    from clients.client_app import make_client_app
-    from fedddl.app_config import AppConfig
-    from strategies.server_app import run_server
-    from tests.support.inline_grid import InlineGrid
+    from tool_runners import run_simulate_inline
 
     torch.set_num_threads(1)
     logging.disable(logging.WARNING)  # per-round logs of 10 clients x many cells: the JSON has them
-    cfg = AppConfig(
-        num_server_rounds=rounds,
-        dataset="digits",
-        partition="stratified",
-        seed=0,
-        min_available_nodes=CLIENTS,
-        attack=attack,
-        num_attackers=attackers,
-        downlink=downlink,
-        **SETTINGS[column],
-    )
-    return run_server(InlineGrid(make_client_app(cfg), CLIENTS), cfg, progress=lambda _: None)
+    return run_simulate_inline(run_config(attack, attackers, column, rounds, downlink))
 
 
 def run_cell(
@@ -130,10 +117,11 @@ def run_cell(
             break
         command = [
             sys.executable, "-m", "fedddl", "simulate", "--strategy", "terngrad",
-            "--dataset", "digits", "--num-clients", "10", "--rounds", str(rounds),
-            "--seed", "0", "--quiet", "--out", str(path), "--downlink", downlink,
-            *COLUMNS[column], *extra,
+            "--dataset", "digits", "--num-clients", str(CLIENTS), "--rounds", str(rounds),
+            "--seed", "0", "--quiet", "--out", str(path), "--downlink", downlink, *extra,
         ]  # fmt: skip
+        for key, value in COLUMNS[column].items():
+            command += [f"--{key}", str(value)]
         if attack:
             command += ["--attack", attack, "--num-attackers", str(attackers)]
         start = time.perf_counter()

@@ -1,0 +1,47 @@
+"""simulations/attack_table.py: every cell is a valid run, in-process and as a command line."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+from fedddl.app_config import AppConfig
+from fedddl.commands.simulate import add_arguments
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "attack_table", ROOT / "simulations" / "attack_table.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_cell_is_a_valid_run_config_and_simulate_command() -> None:
+    table = _module()
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for attack, attackers, column in table.cells():
+        keys = table.run_config(attack, attackers, column, rounds=3)
+        cfg = AppConfig.from_run_config({k: v for k, v in keys.items() if k != "num-clients"})
+        assert (cfg.attack, cfg.num_attackers) == (attack, attackers)
+        flags = [token for key, value in table.COLUMNS[column].items()
+                 for token in (f"--{key}", str(value))]  # fmt: skip
+        args = parser.parse_args(flags)
+        for key, value in table.COLUMNS[column].items():
+            field = key.replace("-", "_")
+            assert getattr(args, field) == value == getattr(cfg, field)
+
+
+def test_plain_mean_turns_the_defences_off() -> None:
+    table = _module()
+    cfg = AppConfig.from_run_config(
+        {k: v for k, v in table.run_config("", 0, "plain mean", 3).items() if k != "num-clients"}
+    )
+    assert cfg.scale_bound == 0.0 and cfg.resync_interval == 0 and cfg.aggregator == "mean"
