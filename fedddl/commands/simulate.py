@@ -54,9 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lr-milestones",
         default="",
-        help="rounds after which the learning rate is multiplied by --lr-gamma, e.g. 200,300",
+        help="rounds after which the learning rate is multiplied by --lr-gamma, comma-separated, "
+        "e.g. 200,300 (default: none, a constant rate)",
     )
-    parser.add_argument("--lr-gamma", type=float, default=0.1, help="step-decay factor")
+    parser.add_argument(
+        "--lr-gamma", type=float, default=0.1, help="factor per --lr-milestones step (default: 0.1)"
+    )
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, in [0, 1)")
     parser.add_argument(
         "--batch-size", type=int, default=32, help="samples per minibatch per client"
