@@ -167,9 +167,11 @@ class Replica:
         rate = self.lr_decay.rate(self.learning_rate, version)
         for group in self.optimizer.param_groups:
             group["lr"] = rate
-        self.optimizer.step()
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.learning_rate
+        try:
+            self.optimizer.step()
+        finally:  # the stored rate stays the base rate (checkpoints, snapshots)
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.learning_rate
         self.optimizer.zero_grad(set_to_none=True)
         if statistics:
             apply_statistics(self.model, statistics)

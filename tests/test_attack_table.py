@@ -3,24 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 
 from fedddl.app_config import AppConfig
 from fedddl.commands.simulate import add_arguments
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.scripts import load_script
 
 
 def _module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "attack_table", ROOT / "simulations" / "attack_table.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("attack_table")
 
 
 def test_every_cell_is_a_valid_run_config_and_simulate_command() -> None:

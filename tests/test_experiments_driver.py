@@ -2,29 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import struct
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from tests.support.scripts import load_script
+
 SIMULATIONS = Path(__file__).resolve().parents[1] / "simulations"
 SEEDS = (0, 1)  # the test uses 2 seeds for speed; the committed results use >= 3
-
-
-def load_script(name: str) -> ModuleType:
-    """Import ``simulations/<name>.py`` (a script folder, not a package)."""
-    spec = importlib.util.spec_from_file_location(name, SIMULATIONS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, module)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_every_experiment_resolves_for_every_dataset() -> None:

@@ -1,7 +1,7 @@
 """fedddl's ternary compression added to a Flower-quickstart-style app, in Flower's
 simulation (Ray): the same FedAvg run with and without ``ternary_mod`` + ``TernaryDelta``.
 
-Checked: accuracy of the global model within 1 point after the same rounds, and the
+Checked: accuracy of the global model at most 1 point below after the same rounds, and the
 serialized bytes of every message (``CountingGrid``): at least 12x fewer up in every
 round, and down in every round after the first (which carries the whole model).
 """
@@ -66,13 +66,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, dict[str, Any]]
     return {compressed: _simulate(compressed) for compressed in (False, True)}
 
 
-def test_accuracy_within_one_point_after_the_same_rounds(
+def test_no_accuracy_lost_after_the_same_rounds(
     runs: dict[bool, dict[str, Any]],
 ) -> None:
+    """Compressed ends at most 1 point below plain (the claim is no loss of accuracy; on an
+    AMD EPYC it ended 1.3 points above, on an Intel Xeon within 1 point either way)."""
     plain, ternary = runs[False]["accuracy"], runs[True]["accuracy"]
     assert len(plain) == len(ternary) == ROUNDS + 1  # round 0 and every round
     assert plain[-1] > 0.85, plain  # the run learned something worth comparing
-    assert abs(ternary[-1] - plain[-1]) <= 0.01, (plain[-1], ternary[-1])
+    assert ternary[-1] >= plain[-1] - 0.01, (plain[-1], ternary[-1])
 
 
 def test_bytes_up_and_down_at_least_12x_fewer(runs: dict[bool, dict[str, Any]]) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import shutil
@@ -26,6 +25,7 @@ from fedddl.report.stats import (
     transfer_time,
 )
 from fedddl.report.tables import Table, fmt_reach, markdown_table
+from tests.support.scripts import load_script
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 DRIVER = Path(__file__).resolve().parents[1] / "simulations" / "run_experiments.py"
@@ -33,11 +33,7 @@ DRIVER = Path(__file__).resolve().parents[1] / "simulations" / "run_experiments.
 
 def run_driver(argv: list[str]) -> int:
     """Run ``simulations/run_experiments.py`` in-process (it is a script, not a package)."""
-    spec = importlib.util.spec_from_file_location("run_experiments", DRIVER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return int(module.main(argv))
+    return int(load_script("run_experiments").main(argv))
 
 
 def png_size(path: Path) -> tuple[int, int]:

@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from tests.support.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "sweep_settings", ROOT / "simulations" / "sweep_settings.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sweep_settings"] = module  # the process pool pickles run_one by module name
-    spec.loader.exec_module(module)
-    return module
+    return load_script("sweep_settings")  # its process pool pickles run_one by module name
 
 
 def test_settings_parse_into_typed_run_config_values() -> None:
