@@ -39,8 +39,22 @@ def _fake(monkeypatch: pytest.MonkeyPatch, errors: list[BaseException]) -> list[
     return calls
 
 
+def _gcs_port_timeout() -> RuntimeError:
+    """What run_simulation raised once when Ray's GCS server did not write its port in time."""
+    try:
+        raise RuntimeError(
+            "Timed out waiting for file /tmp/ray/session_2026-12-04_19-38-42_036527_22529/"
+            "gcs_server_port_ed6d9be04f7c4e60069b3888c579f75db229f416e35125ac1a94fbc2"
+        )
+    except RuntimeError as cause:
+        error = RuntimeError("An error was encountered. Ending simulation.")
+        error.__cause__ = cause
+        return error
+
+
 def test_the_failure_is_recognised_through_the_cause_chain() -> None:
     assert ray_failed_to_start(_startup_failure())
+    assert ray_failed_to_start(_gcs_port_timeout())
     assert not ray_failed_to_start(RuntimeError("An error was encountered. Ending simulation."))
 
 

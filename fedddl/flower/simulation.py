@@ -38,7 +38,9 @@ _OFFLINE_ENV = {
 
 
 _RAY_START_ATTEMPTS = 2
-_RAY_START_FAILURE = "timed out during startup"
+#: Messages of Ray's node failing to start: the raylet not registering in time, and the GCS
+#: server not writing its port file in time (both seen on a loaded 2-core machine).
+_RAY_START_FAILURES = ("timed out during startup", "Timed out waiting for file")
 
 
 def _stderr(line: str) -> None:
@@ -60,7 +62,9 @@ def _root_cause(error: BaseException) -> str:
 
 def ray_failed_to_start(error: BaseException) -> bool:
     """Whether ``error`` (from ``run_simulation``) is Ray's node failing to start."""
-    return any(_RAY_START_FAILURE in str(cause) for cause in _causes(error))
+    return any(
+        marker in str(cause) for cause in _causes(error) for marker in _RAY_START_FAILURES
+    )
 
 
 def _shutdown_ray() -> None:
