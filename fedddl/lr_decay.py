@@ -66,7 +66,7 @@ class StepDecay:
 
     def rate(self, base: float, round_: int) -> float:
         """``base × factor(round_)``."""
-        return base * self.factor(round_) if self.milestones else base
+        return base * self.factor(round_)
 
 
 NO_DECAY = StepDecay()
