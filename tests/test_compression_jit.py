@@ -5,6 +5,7 @@ Whether numba is installed, or used, must never change a message or a decoded va
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import numpy as np
@@ -141,7 +142,7 @@ def test_warm_up_compiles_the_kernels_in_this_process_and_keeps_the_mode() -> No
         "assert jit.warm_up()\n"
         "from fedddl.compression import kernels as k\n"
         "assert k.ternarize_pack.signatures and k.unpack_base3.signatures\n"
-        "assert k.unpack_2bit.signatures\n"
+        "assert k.unpack_2bit.signatures and k.lane_statistics.signatures\n"
         "assert jit._mode is None\n"  # the default mode is restored
         "jit.set_jit(False)\n"
         "assert not jit.warm_up()\n"  # FEDDDL_JIT=0 / set_jit(False): nothing is compiled
@@ -160,3 +161,52 @@ def test_fork_server_preload_calls_module_functions() -> None:
         preload_modules(["fedddl.compression.jit:no_such_function"])
     with pytest.raises(ImportError):
         preload_modules(["no_such_module_xyz"])
+
+
+def _statistics_batch() -> list[torch.Tensor]:
+    from fedddl.compression.statistics import LANE_MIN_NUMEL
+
+    rng = np.random.default_rng(5)
+    sizes = [LANE_MIN_NUMEL, LANE_MIN_NUMEL + 7, 3 * (1 << 18) + 5, 100]
+    scales = [1e-3, 1.0, 1e30, 2.0]  # squares of 1e30 overflow float32, not float64
+    arrays = [
+        (rng.standard_normal(n) * s + s / 3).astype(np.float32)
+        for n, s in zip(sizes, scales, strict=True)
+    ]
+    arrays[1][-3:] = [3e38, -3e38, -0.0]  # the peak in the tail, beyond lane 0
+    return [torch.from_numpy(a) for a in arrays]
+
+
+def test_lane_statistics_kernel_matches_numpy_and_float64(threads: int, restore_jit: None) -> None:
+    """Large tensors' sums in float64 lanes: the vector kernel, the numpy fallback and any
+    number of threads give the same bits, close to an exact float64 reference."""
+    from fedddl.compression.statistics import tensor_statistics_batch
+
+    flats = _statistics_batch()
+    results = {}
+    for mode in (False, True):
+        jit.set_jit(mode)
+        results[mode] = tensor_statistics_batch(flats)
+    assert results[True] == results[False]
+    torch.set_num_threads(1)  # the fixture restores the count
+    assert tensor_statistics_batch(flats) == results[True]
+    for flat, stats in zip(flats, results[True], strict=True):
+        wide = flat.numpy().astype(np.float64)
+        assert stats.peak == float(np.abs(wide).max())
+        exact = 1e-9 if wide.size >= 1 << 16 else 1e-6  # small tensors: float32 einsum sums
+        assert stats.std == pytest.approx(float(wide.std()), rel=exact)
+        assert math.isfinite(stats.std)
+    del threads
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("mode", [False, True])
+def test_lane_statistics_name_non_finite_values(bad: float, mode: bool, restore_jit: None) -> None:
+    from fedddl.compression.statistics import tensor_statistics_batch
+
+    jit.set_jit(mode)
+    flats = _statistics_batch()
+    flats[2] = flats[2].clone()
+    flats[2][(1 << 18) + 17] = bad  # in the second chunk
+    with pytest.raises(ValueError, match=r"^t2: tensor has NaN or Inf values$"):
+        tensor_statistics_batch(flats, labels=["t0", "t1", "t2", "t3"])

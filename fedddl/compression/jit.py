@@ -74,18 +74,22 @@ def jit_kernels(numel: int) -> ModuleType | None:
 
 def warm_up() -> bool:
     """Compile (or load from numba's cache) every kernel now, by encoding and decoding a
-    small tensor with each ternary codec; returns whether the kernels are available.
+    small tensor with each ternary codec and summing one in lanes; returns whether the
+    kernels are available.
 
     Changes no setting: the :func:`set_jit` mode in force is restored.
     """
     global _mode
     if _mode is False or _load() is None:
         return False
+    import numpy as np
     import torch
 
     from fedddl.compression.registry import make_compressor
     from fedddl.compression.wire import decode_update, encode_update
 
+    assert _kernels is not None
+    _kernels.lane_statistics(np.zeros(64, dtype=np.float32), np.zeros((3, _kernels.LANES)))
     saved = _mode
     _mode = True
     try:

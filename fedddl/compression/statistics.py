@@ -4,6 +4,16 @@ Per fixed-size chunk: min, max, sum and sum of squares; the chunk results are
 combined in chunk order in float64, so the statistics (hence the scaler and
 the codes) do not depend on the number of threads.
 
+Tensors of :data:`LANE_MIN_NUMEL` values or more are summed in float64 lanes
+instead: within a chunk value ``i`` goes to lane ``i mod 16`` (the last
+``size mod 16`` values continue lanes 0, 1, ..), each lane adds in order,
+squares are exact in float64, and all lane sums of all chunks are combined
+exactly (``math.fsum``).  That order is fixed, so the compiled kernel
+(:func:`fedddl.compression.kernels.lane_statistics`, one vector pass) and
+the numpy fallback give the same bits, and it cannot overflow.  Smaller
+tensors keep the float32 ``einsum`` sums below (so small models' codes are
+those they always were).
+
 Overflow: the float32 sums of a chunk overflow for finite values beyond about
 ``1.8e19`` (a square beyond the float32 range) or sums beyond ``3.4e38``. A
 tensor whose float32 sums overflow although its values are finite is summed
@@ -21,15 +31,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedddl.compression.jit import jit_kernels
 from fedddl.compression.parallel import chunk_units, run_units
 
-__all__ = ["TensorStatistics", "tensor_statistics", "tensor_statistics_batch"]
+__all__ = ["LANE_MIN_NUMEL", "TensorStatistics", "tensor_statistics", "tensor_statistics_batch"]
 
 #: Elements per chunk of the reductions.  Fixed, because the float32 sums within a chunk
 #: (hence the clip bound, the scale and the codes) depend on where chunks start.
 CHUNK = 1 << 18
 # below this share of E[g^2], E[g^2] - mean^2 has lost too many digits: use two passes
 _CANCELLATION_GUARD = 1e-3
+#: Tensors with at least this many values are summed in float64 lanes (see above).
+LANE_MIN_NUMEL = 1 << 16
+_LANES = 16  # fedddl.compression.kernels.LANES (not imported: numba is optional)
 
 
 @dataclass(frozen=True)
@@ -74,12 +88,25 @@ def tensor_statistics_batch(
     highs = [np.empty(count) for count in counts]
     sums = [np.zeros(count) for count in counts]
     squares = [np.zeros(count) for count in counts]
+    # per chunk of a lane-summed tensor: lane sums, lane sums of squares, peak in [2, 0]
+    lanes = [
+        np.zeros((count, 3, _LANES)) if values.size >= LANE_MIN_NUMEL else None
+        for values, count in zip(arrays, counts, strict=True)
+    ]
     units, weights = chunk_units([values.size for values in arrays], CHUNK)
+    kernels = jit_kernels(max((values.size for values in arrays), default=0))
 
     def work(first: int, stop: int) -> None:
         for k, start in units[first:stop]:
             chunk = arrays[k][start : start + CHUNK]
             index = start // CHUNK
+            by_lane = lanes[k]
+            if by_lane is not None:
+                if kernels is not None:
+                    kernels.lane_statistics(chunk, by_lane[index])
+                else:
+                    _lane_statistics(chunk, by_lane[index])
+                continue
             lows[k][index] = chunk.min()
             highs[k][index] = chunk.max()
             if with_std:
@@ -91,10 +118,50 @@ def tensor_statistics_batch(
     results = []
     for k, values in enumerate(arrays):
         try:
+            by_lane = lanes[k]
+            if by_lane is not None:
+                results.append(_combine_lanes(values, by_lane, with_std))
+                continue
             results.append(_combine(values, lows[k], highs[k], sums[k], squares[k], with_std))
         except ValueError as error:
             raise ValueError(str(error) if labels is None else f"{labels[k]}: {error}") from None
     return results
+
+
+def _lane_statistics(chunk: np.ndarray, out: np.ndarray) -> None:
+    """numpy's :func:`fedddl.compression.kernels.lane_statistics`, bit for bit (a
+    reduction over axis 0 adds the rows in order, one lane per column)."""
+    wide = chunk.astype(np.float64)
+    whole = wide.size - wide.size % _LANES
+    rows = wide[:whole].reshape(-1, _LANES)
+    out[0] = rows.sum(axis=0)
+    out[1] = np.square(rows).sum(axis=0)
+    for j in range(wide.size - whole):
+        out[0, j] += wide[whole + j]
+        out[1, j] += wide[whole + j] * wide[whole + j]
+    out[2, 0] = float(np.abs(chunk).max())
+
+
+def _combine_lanes(values: np.ndarray, by_lane: np.ndarray, with_std: bool) -> TensorStatistics:
+    """One tensor's statistics from the lane sums of its chunks (summed exactly)."""
+    if not np.isfinite(by_lane[:, :2]).all():  # finite float32 values cannot overflow here
+        raise ValueError("tensor has NaN or Inf values")
+    total, total_square = math.fsum(by_lane[:, 0].ravel()), math.fsum(by_lane[:, 1].ravel())
+    peak = float(by_lane[:, 2, 0].max())
+    if not with_std:
+        return TensorStatistics(peak, math.nan)
+    return TensorStatistics(peak, _std(values, total, total_square))
+
+
+def _std(values: np.ndarray, total: float, total_square: float) -> float:
+    """The population std from the sums, or from two float64 passes if they cancel."""
+    numel = values.size
+    mean = total / numel
+    mean_square = total_square / numel
+    variance = mean_square - mean * mean
+    if variance < _CANCELLATION_GUARD * mean_square:
+        variance = float(np.var(values, dtype=np.float64))
+    return math.sqrt(max(variance, 0.0))
 
 
 def _combine(
@@ -106,7 +173,6 @@ def _combine(
     with_std: bool,
 ) -> TensorStatistics:
     """One tensor's statistics from its per-chunk ones, combined in chunk order."""
-    numel = values.size
     low, high = float(lows.min()), float(highs.max())
     if not (math.isfinite(low) and math.isfinite(high)):
         raise ValueError("tensor has NaN or Inf values")
@@ -118,9 +184,4 @@ def _combine(
         # finite values whose float32 chunk sums overflowed: sum again in float64
         wide = values.astype(np.float64)
         total, total_square = float(wide.sum()), float(np.dot(wide, wide))
-    mean = total / numel
-    mean_square = total_square / numel
-    variance = mean_square - mean * mean
-    if variance < _CANCELLATION_GUARD * mean_square:
-        variance = float(np.var(values, dtype=np.float64))
-    return TensorStatistics(peak, math.sqrt(max(variance, 0.0)))
+    return TensorStatistics(peak, _std(values, total, total_square))
