@@ -10,7 +10,10 @@ Each kernel computes exactly what the numpy code beside its caller computes
   :mod:`fedddl.compression.ternarize` in float32 arithmetic (no fused
   multiply-add: numba's default keeps every float32 operation rounded on its
   own), fused with the random stream and with 2-bit or base-3 packing, in
-  blocks that stay in L1.
+  blocks that stay in L1.  A whole block's random words come from eight
+  streams jumped ahead by 0..7 words and stepping 8 words at a time, in
+  vector registers (:func:`_vector_words`), and its codes from LLVM vector
+  operations (:func:`_vector_codes`): the same words and codes, in order.
 * :func:`unpack_base3` / :func:`unpack_2bit`: the table lookups of
   :mod:`fedddl.compression.packing`.
 * :func:`lane_statistics`: the float64 lane sums of
@@ -43,13 +46,14 @@ __all__ = [
 #: The 64-bit multiplier of PCG64DXSM's LCG step and output function (numpy's constant).
 PCG_CHEAP_MULTIPLIER = 0xDA942042E4DD58B5
 _BLOCK = 4000  # values per block of ternarize_pack: a multiple of 4 (words) and 5 (bytes)
-#: Independent LCG chains a whole block's random words are drawn with: each 128-bit LCG
-#: step waits for the previous one, so one chain leaves the multipliers idle; chain ``c``
-#: starts ``c * _CHAIN_WORDS`` words into the block (a jump ahead) and draws its own
-#: quarter, so the words, hence the codes, are those of one chain drawn in order.
-_CHAINS = 4
-_CHAIN_WORDS = _BLOCK // 4 // _CHAINS
+#: A whole block's random words are drawn by this many LCG streams side by side in vector
+#: registers (one 128-bit LCG step waits for the previous one, so one stream leaves the
+#: multipliers idle): stream ``c`` draws words ``c, c + 8, c + 16, ..`` of the block,
+#: stepping 8 LCG steps at a time (a jump ahead), so the words, hence the codes, are those
+#: of one stream drawn in order.
+_WORD_LANES = 8
 _LOW64 = (1 << 64) - 1
+_LOW32 = (1 << 32) - 1
 
 
 def _jump_constants(words: int) -> tuple[int, int, int, int]:
@@ -62,7 +66,7 @@ def _jump_constants(words: int) -> tuple[int, int, int, int]:
     return a >> 64, a & _LOW64, g >> 64, g & _LOW64
 
 
-_JUMP_A_HI, _JUMP_A_LO, _JUMP_G_HI, _JUMP_G_LO = _jump_constants(_CHAIN_WORDS)
+_JUMP_A_HI, _JUMP_A_LO, _JUMP_G_HI, _JUMP_G_LO = _jump_constants(_WORD_LANES)
 
 
 @intrinsic  # type: ignore[misc]
@@ -103,20 +107,112 @@ def _mul128(a_hi: np.uint64, a_lo: np.uint64, b_hi: np.uint64, b_lo: np.uint64) 
 
 
 @njit(nogil=True, cache=True, inline="always")  # type: ignore[misc]
-def _jump(hi: np.uint64, lo: np.uint64, c_hi: np.uint64, c_lo: np.uint64) -> Any:
-    """The state ``_CHAIN_WORDS`` steps after ``(hi, lo)``; ``c = G * increment``."""
-    hi, lo = _mul128(hi, lo, np.uint64(_JUMP_A_HI), np.uint64(_JUMP_A_LO))
-    low = lo + c_lo
-    return hi + c_hi + np.uint64(low < lo), low
-
-
-@njit(nogil=True, cache=True, inline="always")  # type: ignore[misc]
 def _store(rand: np.ndarray, at: int, word: np.uint64) -> None:
     """The word's four 16-bit values, least significant first (numpy's ``view(uint16)``)."""
     rand[at] = np.uint16(word & np.uint64(0xFFFF))
     rand[at + 1] = np.uint16((word >> np.uint64(16)) & np.uint64(0xFFFF))
     rand[at + 2] = np.uint16((word >> np.uint64(32)) & np.uint64(0xFFFF))
     rand[at + 3] = np.uint16(word >> np.uint64(48))
+
+
+@intrinsic  # type: ignore[misc]
+def _vector_words(
+    typingctx: Any, lanes_hi: Any, lanes_lo: Any, jump: Any, count: Any, rand: Any
+) -> Any:
+    """Write ``count`` words (a multiple of :data:`_WORD_LANES`) of the stream to ``rand``
+    (``uint16``, four values per word, least significant first).
+
+    ``lanes_hi`` / ``lanes_lo``: the states of the first :data:`_WORD_LANES` words, left
+    at the states ``count`` words later; ``jump``: ``A`` and ``C = G * increment`` (high,
+    low) of :func:`_jump_constants` for :data:`_WORD_LANES` steps.  Each lane runs
+    :func:`_draw`'s output function and the jump in 64-bit vector arithmetic; the high half
+    of a 64 x 64-bit product is assembled from four 32 x 32-bit products.
+    """
+    del typingctx
+    signature = types.void(lanes_hi, lanes_lo, jump, types.intp, rand)
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        def data(k: int) -> Any:
+            return context.make_array(sig.args[k])(context, builder, args[k]).data
+
+        highs, lows, jumps, out = data(0), data(1), data(2), data(4)
+        count = args[3]
+        intp = count.type
+        vector = ir.VectorType(ir.IntType(64), _WORD_LANES)
+        pointer = vector.as_pointer()
+
+        def const(value: int) -> Any:
+            return ir.Constant(vector, [value] * _WORD_LANES)
+
+        def splat(k: int) -> Any:
+            value = builder.load(builder.gep(jumps, [ir.Constant(intp, k)]))
+            undefined = ir.Constant(vector, ir.Undefined)
+            one = builder.insert_element(undefined, value, ir.Constant(ir.IntType(32), 0))
+            zeros = ir.Constant(ir.VectorType(ir.IntType(32), _WORD_LANES), [0] * _WORD_LANES)
+            return builder.shuffle_vector(one, undefined, zeros)
+
+        mask, shift = const(_LOW32), const(32)
+
+        def mulhi(x: Any, y_low: Any, y_high: Any) -> Any:
+            x_low, x_high = builder.and_(x, mask), builder.lshr(x, shift)
+            p00, p01 = builder.mul(x_low, y_low), builder.mul(x_low, y_high)
+            p10, p11 = builder.mul(x_high, y_low), builder.mul(x_high, y_high)
+            middle = builder.add(
+                builder.add(builder.lshr(p00, shift), builder.and_(p01, mask)),
+                builder.and_(p10, mask),
+            )
+            return builder.add(
+                builder.add(p11, builder.lshr(p01, shift)),
+                builder.add(builder.lshr(p10, shift), builder.lshr(middle, shift)),
+            )
+
+        a_hi, a_lo, c_hi, c_lo = (splat(k) for k in range(4))
+        a_lo_low, a_lo_high = builder.and_(a_lo, mask), builder.lshr(a_lo, shift)
+        multiplier = const(PCG_CHEAP_MULTIPLIER)
+        first_hi = builder.load(builder.bitcast(highs, pointer), align=8)
+        first_lo = builder.load(builder.bitcast(lows, pointer), align=8)
+        entry = builder.block
+        loop = builder.append_basic_block("words.loop")
+        done = builder.append_basic_block("words.done")
+        builder.cbranch(builder.icmp_signed(">", count, ir.Constant(intp, 0)), loop, done)
+
+        builder.position_at_end(loop)
+        index, hi, lo = builder.phi(intp), builder.phi(vector), builder.phi(vector)
+        word = builder.mul(builder.xor(hi, builder.lshr(hi, shift)), multiplier)
+        word = builder.xor(word, builder.lshr(word, const(48)))
+        word = builder.mul(word, builder.or_(lo, const(1)))
+        at = builder.gep(out, [builder.mul(index, ir.Constant(intp, 4))])
+        builder.store(word, builder.bitcast(at, pointer), align=2)
+        product_lo = builder.mul(lo, a_lo)
+        product_hi = builder.add(
+            mulhi(lo, a_lo_low, a_lo_high),
+            builder.add(builder.mul(hi, a_lo), builder.mul(lo, a_hi)),
+        )
+        next_lo = builder.add(product_lo, c_lo)
+        carry = builder.zext(builder.icmp_unsigned("<", next_lo, product_lo), vector)
+        next_hi = builder.add(builder.add(product_hi, c_hi), carry)
+        next_index = builder.add(index, ir.Constant(intp, _WORD_LANES))
+        builder.cbranch(builder.icmp_signed("<", next_index, count), loop, done)
+        for phi, start, step in (
+            (index, ir.Constant(intp, 0), next_index),
+            (hi, first_hi, next_hi),
+            (lo, first_lo, next_lo),
+        ):
+            phi.add_incoming(start, entry)
+            phi.add_incoming(step, loop)
+
+        builder.position_at_end(done)
+        finals = []
+        for start, step in ((first_hi, next_hi), (first_lo, next_lo)):
+            final = builder.phi(vector)  # every phi first in its block
+            final.add_incoming(start, entry)
+            final.add_incoming(step, loop)
+            finals.append(final)
+        builder.store(finals[0], builder.bitcast(highs, pointer), align=8)
+        builder.store(finals[1], builder.bitcast(lows, pointer), align=8)
+        return context.get_dummy_value()
+
+    return signature, codegen
 
 
 @njit(nogil=True, cache=True)  # type: ignore[misc]
@@ -126,6 +222,76 @@ def pcg64dxsm_words(state: np.ndarray, out: np.ndarray) -> None:
     for w in range(out.size):
         out[w], hi, lo = _draw(hi, lo, inc_hi, inc_lo)
     state[0], state[1] = hi, lo
+
+
+#: Values per vector step of :func:`_vector_codes`.
+_CODE_LANES = 16
+
+
+@intrinsic  # type: ignore[misc]
+def _vector_codes(
+    typingctx: Any, values: Any, rand: Any, count: Any, factor: Any, limit: Any, codes: Any
+) -> Any:
+    """``codes[i] = fire + (fire & signbit(g_i))`` for ``i < count`` (a multiple of
+    :data:`_CODE_LANES`), ``fire = r_i < min(|g_i| * factor, limit) - 1/2``: the loop of
+    :func:`ternarize_pack` as LLVM vector operations, each float32 operation rounded on
+    its own as in the scalar loop (numba leaves that loop scalar)."""
+    del typingctx
+    signature = types.void(values, rand, types.intp, types.float32, types.float32, codes)
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        randoms = context.make_array(sig.args[1])(context, builder, args[1]).data
+        out = context.make_array(sig.args[5])(context, builder, args[5]).data
+        count, factor, limit = args[2], args[3], args[4]
+        intp = count.type
+        lanes = _CODE_LANES
+        floats = ir.VectorType(ir.FloatType(), lanes)
+        words = ir.VectorType(ir.IntType(32), lanes)
+        bytes_ = ir.VectorType(ir.IntType(8), lanes)
+
+        def splat(value: Any, vector: Any) -> Any:
+            undefined = ir.Constant(vector, ir.Undefined)
+            one = builder.insert_element(undefined, value, ir.Constant(ir.IntType(32), 0))
+            return builder.shuffle_vector(one, undefined, ir.Constant(words, [0] * lanes))
+
+        fabs = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+            builder.module, ir.FunctionType(floats, [floats]), f"llvm.fabs.v{lanes}f32"
+        )
+        minnum = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+            builder.module, ir.FunctionType(floats, [floats, floats]), f"llvm.minnum.v{lanes}f32"
+        )
+        factors, limits = splat(factor, floats), splat(limit, floats)
+        half = ir.Constant(floats, [0.5] * lanes)
+        sign_shift = ir.Constant(words, [31] * lanes)
+        entry = builder.block
+        loop = builder.append_basic_block("codes.loop")
+        done = builder.append_basic_block("codes.done")
+        builder.cbranch(builder.icmp_signed(">", count, ir.Constant(intp, 0)), loop, done)
+
+        builder.position_at_end(loop)
+        index = builder.phi(intp)
+        x = builder.load(builder.bitcast(builder.gep(data, [index]), floats.as_pointer()), align=4)
+        scaled = builder.fmul(builder.call(fabs, [x]), factors)
+        level = builder.fsub(builder.call(minnum, [scaled, limits]), half)
+        r_ptr = builder.bitcast(
+            builder.gep(randoms, [index]), ir.VectorType(ir.IntType(16), lanes).as_pointer()
+        )
+        drawn = builder.uitofp(builder.load(r_ptr, align=2), floats)
+        fire = builder.zext(builder.fcmp_ordered("<", drawn, level), bytes_)
+        sign = builder.trunc(builder.lshr(builder.bitcast(x, words), sign_shift), bytes_)
+        code = builder.add(fire, builder.and_(fire, sign))
+        builder.store(
+            code, builder.bitcast(builder.gep(out, [index]), bytes_.as_pointer()), align=1
+        )
+        next_index = builder.add(index, ir.Constant(intp, lanes))
+        builder.cbranch(builder.icmp_signed("<", next_index, count), loop, done)
+        index.add_incoming(ir.Constant(intp, 0), entry)
+        index.add_incoming(next_index, loop)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
+
+    return signature, codegen
 
 
 @njit(nogil=True, cache=True)  # type: ignore[misc]
@@ -152,29 +318,28 @@ def ternarize_pack(
     half = np.float32(0.5)
     per = 5 if base3 else 4
     c_hi, c_lo = _mul128(inc_hi, inc_lo, np.uint64(_JUMP_G_HI), np.uint64(_JUMP_G_LO))
+    jump = np.array([_JUMP_A_HI, _JUMP_A_LO, 0, 0], dtype=np.uint64)
+    jump[2], jump[3] = c_hi, c_lo
+    lanes_hi = np.empty(_WORD_LANES, dtype=np.uint64)
+    lanes_lo = np.empty(_WORD_LANES, dtype=np.uint64)
     for start in range(0, n, _BLOCK):
         size = min(_BLOCK, n - start)
-        if size == _BLOCK:  # four chains, each a quarter of the block (see _CHAINS)
-            h1, l1 = _jump(hi, lo, c_hi, c_lo)
-            h2, l2 = _jump(h1, l1, c_hi, c_lo)
-            h3, l3 = _jump(h2, l2, c_hi, c_lo)
-            for w in range(_CHAIN_WORDS):
-                word0, hi, lo = _draw(hi, lo, inc_hi, inc_lo)
-                word1, h1, l1 = _draw(h1, l1, inc_hi, inc_lo)
-                word2, h2, l2 = _draw(h2, l2, inc_hi, inc_lo)
-                word3, h3, l3 = _draw(h3, l3, inc_hi, inc_lo)
-                _store(rand, 4 * w, word0)
-                _store(rand, 4 * (w + _CHAIN_WORDS), word1)
-                _store(rand, 4 * (w + 2 * _CHAIN_WORDS), word2)
-                _store(rand, 4 * (w + 3 * _CHAIN_WORDS), word3)
-            hi, lo = h3, l3  # the last chain ends where the block's words end
+        if size == _BLOCK:  # vector lanes (see _WORD_LANES)
+            lane_hi, lane_lo = hi, lo
+            for c in range(_WORD_LANES):
+                lanes_hi[c], lanes_lo[c] = lane_hi, lane_lo
+                _, lane_hi, lane_lo = _draw(lane_hi, lane_lo, inc_hi, inc_lo)
+            _vector_words(lanes_hi, lanes_lo, jump, _BLOCK // 4, rand)  # type: ignore[call-arg]
+            hi, lo = lanes_hi[0], lanes_lo[0]  # lane 0 ends on the block's next word
         else:
             for w in range((size + 3) // 4):
                 word, hi, lo = _draw(hi, lo, inc_hi, inc_lo)
                 _store(rand, 4 * w, word)
         chunk = values[start : start + size]
         signs = bits[start : start + size]
-        for i in range(size):
+        vectored = size - size % _CODE_LANES
+        _vector_codes(chunk, rand, vectored, factor, limit, codes)  # type: ignore[call-arg]
+        for i in range(vectored, size):
             level = min(abs(chunk[i]) * factor, limit) - half
             fire = np.uint8(np.float32(rand[i]) < level)
             codes[i] = fire + (fire & np.uint8(signs[i] >> np.uint32(31)))
