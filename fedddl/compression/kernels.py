@@ -370,14 +370,54 @@ def ternarize_pack(
     state[0], state[1] = hi, lo
 
 
+@intrinsic  # type: ignore[misc]
+def _vector_rows(typingctx: Any, source: Any, count: Any, table: Any, target: Any) -> Any:
+    """For ``j < count``: the 8 float32 of table row ``source[j]`` to ``target[5j ..
+    5j + 7]``, in increasing ``j``: one 32-byte load and store per byte, the last 3
+    values overwritten by the next row (so ``target`` must extend 3 values past
+    ``5 * count``)."""
+    del typingctx
+    signature = types.void(source, types.intp, table, target)
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        def data(k: int) -> Any:
+            return context.make_array(sig.args[k])(context, builder, args[k]).data
+
+        codes, rows, out = data(0), data(2), data(3)
+        count = args[1]
+        intp = count.type
+        row = ir.VectorType(ir.FloatType(), 8).as_pointer()
+        entry = builder.block
+        loop = builder.append_basic_block("rows.loop")
+        done = builder.append_basic_block("rows.done")
+        builder.cbranch(builder.icmp_signed(">", count, ir.Constant(intp, 0)), loop, done)
+        builder.position_at_end(loop)
+        index = builder.phi(intp)
+        code = builder.zext(builder.load(builder.gep(codes, [index])), intp)
+        at_row = builder.gep(rows, [builder.mul(code, ir.Constant(intp, 8))])
+        values = builder.load(builder.bitcast(at_row, row), align=4)
+        at_out = builder.gep(out, [builder.mul(index, ir.Constant(intp, 5))])
+        builder.store(values, builder.bitcast(at_out, row), align=4)
+        next_index = builder.add(index, ir.Constant(intp, 1))
+        builder.cbranch(builder.icmp_signed("<", next_index, count), loop, done)
+        index.add_incoming(ir.Constant(intp, 0), entry)
+        index.add_incoming(next_index, loop)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
 @njit(nogil=True, cache=True)  # type: ignore[misc]
 def unpack_base3(source: np.ndarray, table: np.ndarray, target: np.ndarray) -> None:
     """``target[5j .. 5j+4] = table[8 * source[j] .. + 4]`` (rows of 8 float32, 5 used)."""
-    for j in range(source.size):
-        row = np.intp(source[j]) * 8
-        at = 5 * j
-        for k in range(5):
-            target[at + k] = table[row + k]
+    n = source.size
+    if n == 0:
+        return
+    _vector_rows(source, n - 1, table, target)  # type: ignore[call-arg]
+    row = np.intp(source[n - 1]) * 8  # the last row: exactly 5 values
+    for k in range(5):
+        target[5 * (n - 1) + k] = table[row + k]
 
 
 @njit(nogil=True, cache=True)  # type: ignore[misc]

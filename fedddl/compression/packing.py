@@ -324,17 +324,19 @@ class _Gather:
     ) -> None:
         per = codes_per_byte(codec)
         self.source: np.ndarray[Any, Any] = packed.numpy()
-        self.table: np.ndarray[Any, Any] = _TABLES[codec] * np.float32(scale)
         self.target, self.numel, self.per = target, numel, per
         self.whole = numel // per  # bytes whose every slot holds a value
         self.codec = codec
+        self.flat_rows: np.ndarray[Any, Any] | None = None
         if codec == "2bit":
+            self.table: np.ndarray[Any, Any] = _TABLES[codec] * np.float32(scale)
             # one 16-byte entry (4 float32) per byte: gather it as a single complex128
             self.rows = self.table.view(np.complex128).reshape(256)
             self.dest = target[: self.whole * 4].view(np.complex128)
-        else:
+        else:  # one scaled table, rows of 8 (5 used): the kernel reads whole rows
+            rows = _BASE3_ROWS * np.float32(scale)
+            self.flat_rows, self.table = rows.reshape(-1), rows[:, :5]
             self.rows, self.dest = self.table, target[: self.whole * 5].reshape(self.whole, 5)
-        self.flat_rows = (_BASE3_ROWS * np.float32(scale)).reshape(-1) if codec == "base3" else None
 
     def run(self, lo: int, hi: int, kernels: ModuleType | None = None) -> None:
         """Decode whole bytes ``lo .. hi`` (with the compiled ``kernels``, if given)."""

@@ -173,13 +173,19 @@ def _combine(
     with_std: bool,
 ) -> TensorStatistics:
     """One tensor's statistics from its per-chunk ones, combined in chunk order."""
-    low, high = float(lows.min()), float(highs.max())
+    if lows.size == 1:  # one chunk (every tensor below LANE_MIN_NUMEL): no reductions
+        low, high = float(lows[0]), float(highs[0])
+    else:
+        low, high = float(lows.min()), float(highs.max())
     if not (math.isfinite(low) and math.isfinite(high)):
         raise ValueError("tensor has NaN or Inf values")
     peak = max(-low, high)
     if not with_std:
         return TensorStatistics(peak, math.nan)
-    total, total_square = float(sums.sum()), float(squares.sum())
+    if sums.size == 1:  # the sum of one value is that value
+        total, total_square = float(sums[0]), float(squares[0])
+    else:
+        total, total_square = float(sums.sum()), float(squares.sum())
     if not (math.isfinite(total) and math.isfinite(total_square)):
         # finite values whose float32 chunk sums overflowed: sum again in float64
         wide = values.astype(np.float64)

@@ -150,16 +150,24 @@ def _entry_data(name: str, payload: Payload, ctx: Context) -> memoryview:
     return _raw_bytes(payload.codes)
 
 
+def _named(name: str, error: ValueError | TypeError) -> ValueError | TypeError:
+    """``error`` prefixed with the tensor's name (itself if it names the tensor already)."""
+    if str(error).startswith(f"tensor {name!r}"):
+        return error
+    kind = ValueError if isinstance(error, ValueError) else TypeError
+    return kind(f"tensor {name!r}: {error}")
+
+
 @contextmanager
 def _naming(name: str) -> Iterator[None]:
     """Prefix a ``ValueError`` / ``TypeError`` raised inside with the tensor's name."""
     try:
         yield
     except (ValueError, TypeError) as error:
-        if str(error).startswith(f"tensor {name!r}"):
+        named = _named(name, error)
+        if named is error:
             raise
-        kind = ValueError if isinstance(error, ValueError) else TypeError
-        raise kind(f"tensor {name!r}: {error}") from error
+        raise named from error
 
 
 def encode_update(
@@ -219,8 +227,11 @@ def encode_update(
     for name, tensor in named_tensors.items():
         if not isinstance(name, str):
             raise TypeError(f"tensor names must be str, got {type(name).__name__}")
-        with _naming(name):
-            compensated.append(tensor if memory is None else memory.compensate(name, tensor))
+        if memory is None:
+            compensated.append(tensor)
+        else:
+            with _naming(name):
+                compensated.append(memory.compensate(name, tensor))
         names.append(name)
     shared = [None if scales is None else scales.get(name) for name in names]
     inputs = compensated
@@ -236,11 +247,17 @@ def encode_update(
     headers: list[bytes] = []
     data: list[memoryview] = []
     pending: list[tuple[str, torch.Tensor, Payload, Context]] = []
-    for name, tensor, (payload, ctx) in zip(names, compensated, compressed, strict=True):
-        with _naming(name):
+    name = ""
+    try:  # one handler for the loop (a context manager per tensor costs more than framing)
+        for name, tensor, (payload, ctx) in zip(names, compensated, compressed, strict=True):
             headers.append(_entry_header(name, payload, ctx))
             data.append(_entry_data(name, payload, ctx))
-        pending.append((name, tensor, payload, ctx))
+            pending.append((name, tensor, payload, ctx))
+    except (ValueError, TypeError) as error:
+        named = _named(name, error)
+        if named is error:
+            raise
+        raise named from error
     if memory is not None:
         updates = [
             (name, tensor, compressor.decompress(payload, ctx))
