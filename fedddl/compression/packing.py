@@ -331,7 +331,7 @@ class _Gather:
         if codec == "2bit":
             self.table: np.ndarray[Any, Any] = _TABLES[codec] * np.float32(scale)
             # one 16-byte entry (4 float32) per byte: gather it as a single complex128
-            self.rows = self.table.view(np.complex128).reshape(256)
+            self.rows: np.ndarray[Any, Any] = self.table.view(np.complex128).reshape(256)
             self.dest = target[: self.whole * 4].view(np.complex128)
         else:  # one scaled table, rows of 8 (5 used): the kernel reads whole rows
             rows = _BASE3_ROWS * np.float32(scale)
