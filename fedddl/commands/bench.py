@@ -163,13 +163,23 @@ def _cases(update: dict[str, Any], seed: int) -> list[Case]:
             None,
         ),
     ]
+    from fedddl.compression.message_buffer import MessageBuffer
+
+    buffers = {label: MessageBuffer() for label in compressors}  # warm: one per codec
     for label, compressor in compressors.items():
         message = encode_update(update, compressor)
+        encode_update(update, compressor, into=buffers[label])
         ternary = label != "identity fp32"
         cases += [
             (
                 f"encode_update {label}",
                 lambda c=compressor: encode_update(update, c),  # type: ignore[misc]
+                len(message),
+                _GRACE_COMPRESS if ternary else _COPY_WARM,
+            ),
+            (
+                f"encode_update {label}, into=warm",
+                lambda c=compressor, b=buffers[label]: encode_update(update, c, into=b),  # type: ignore[misc]
                 len(message),
                 _GRACE_COMPRESS if ternary else _COPY_WARM,
             ),

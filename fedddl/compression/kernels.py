@@ -526,3 +526,19 @@ def lane_statistics(values: np.ndarray, out: np.ndarray) -> None:
         out[1, j] += wide * wide
         peak = max(peak, abs(values[whole + j]))
     out[2, 0] = peak
+
+
+@njit(nogil=True, cache=True)  # type: ignore[misc]
+def copy_finite32(source: np.ndarray, target: np.ndarray) -> bool:
+    """Copy the ``uint32`` bit patterns of float32 values; return whether all are finite.
+
+    A float32 is NaN or infinite iff its exponent bits are all ones: an integer test
+    and an OR, which vectorise (unlike a float sum, whose order numba keeps).
+    """
+    exponent = np.uint32(0x7F800000)
+    bad = np.uint32(0)
+    for i in range(source.size):
+        value = source[i]
+        target[i] = value
+        bad |= np.uint32((value & exponent) == exponent)
+    return bool(bad == 0)

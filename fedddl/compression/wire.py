@@ -46,8 +46,9 @@ import zlib
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
+import numpy as np
 import torch
 
 from fedddl.compression.base import Compressor
@@ -55,7 +56,9 @@ from fedddl.compression.device_path import to_host, unpack_into, unpacks_on_devi
 from fedddl.compression.entropy import MAGIC as ENTROPY_MAGIC
 from fedddl.compression.entropy import open_entropy_coded, seal_entropy_coded
 from fedddl.compression.errors import PayloadError
+from fedddl.compression.identity import IdentityCompressor as _Identity
 from fedddl.compression.memory import Memory
+from fedddl.compression.message_buffer import MessageBuffer, NonFiniteValues
 from fedddl.compression.packing import (
     find_invalid_codes,
     packed_size,
@@ -63,7 +66,7 @@ from fedddl.compression.packing import (
     unpack_codes_batch,
     unpack_codes_new,
 )
-from fedddl.compression.parallel import copy_bytes
+from fedddl.compression.parallel import copy_bytes, copy_pieces
 from fedddl.compression.payload import (
     Context,
     DensePayload,
@@ -170,6 +173,7 @@ def _naming(name: str) -> Iterator[None]:
         raise named from error
 
 
+@overload
 def encode_update(
     named_tensors: Mapping[str, torch.Tensor],
     compressor: Compressor,
@@ -178,7 +182,33 @@ def encode_update(
     scales: Mapping[str, float] | None = None,
     clamp: bool = False,
     dense: Collection[str] = (),
-) -> bytes:
+    into: None = None,
+) -> bytes: ...
+
+
+@overload
+def encode_update(
+    named_tensors: Mapping[str, torch.Tensor],
+    compressor: Compressor,
+    memory: Memory | None = None,
+    *,
+    scales: Mapping[str, float] | None = None,
+    clamp: bool = False,
+    dense: Collection[str] = (),
+    into: MessageBuffer,
+) -> bytes | memoryview: ...
+
+
+def encode_update(
+    named_tensors: Mapping[str, torch.Tensor],
+    compressor: Compressor,
+    memory: Memory | None = None,
+    *,
+    scales: Mapping[str, float] | None = None,
+    clamp: bool = False,
+    dense: Collection[str] = (),
+    into: MessageBuffer | None = None,
+) -> bytes | memoryview:
     """Compress and serialise ``named_tensors`` into one message.
 
     Parameters
@@ -201,14 +231,19 @@ def encode_update(
     dense:
         Names of tensors sent in fp32 (their own dtype) instead of through ``compressor``
         (TernGrad's exemptions: small tensors, the logits layer).
+    into:
+        Write the message into this reused buffer and return a view of it (valid until
+        the next message written into the buffer) instead of new ``bytes``: no page
+        faults for a fresh large message (:mod:`fedddl.compression.message_buffer`).
+        Entropy-coded messages are new ``bytes`` either way.
 
     The order is fixed here, in one place: compensate, clamp, compress, update the
     memory, serialise.
 
     Returns
     -------
-    bytes
-        The message (layout in the module docstring).
+    bytes or memoryview
+        The message (layout in the module docstring): ``bytes``, or a view of ``into``.
 
     Raises
     ------
@@ -240,8 +275,16 @@ def encode_update(
             t if s is None else t.clamp(-s, s) for t, s in zip(compensated, shared, strict=True)
         ]
     exempt = set(dense) & set(names)
+    # the fp32 codec into a buffer: float32 values are checked finite while they are copied
+    fused_check = into is not None and memory is None and isinstance(compressor, _Identity)
     if exempt:
         compressed = _compress_split(names, inputs, shared, compressor, exempt)
+    elif fused_check:
+        assert isinstance(compressor, _Identity)
+        try:
+            compressed = compressor.compress_batch(inputs, shared, defer_float32_check=True)
+        except (ValueError, TypeError):
+            compressed = _compress_all(names, inputs, shared, compressor)  # names the tensor
     else:
         compressed = _compress_all(names, inputs, shared, compressor)
     headers: list[bytes] = []
@@ -275,7 +318,21 @@ def encode_update(
         raise ValueError(f"unknown entropy coding {compressor.entropy_coding!r}")
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(headers), total)
     crc = crc32_of(data, crc32_of(headers, zlib.crc32(prefix)))
-    return b"".join([prefix, *headers, *data, _CRC.pack(crc)])
+    parts: list[bytes | memoryview] = [prefix, *headers, *data, _CRC.pack(crc)]
+    if into is None:
+        return b"".join(parts)
+    if not fused_check:
+        return into.write(parts, total)
+    unchecked = [  # float32 payloads: part 0 is the prefix, then the headers, then the data
+        1 + len(headers) + k
+        for k, (payload, _) in enumerate(compressed)
+        if isinstance(payload, DensePayload) and payload.values.dtype == torch.float32
+    ]
+    try:
+        return into.write(parts, total, finite_float32=set(unchecked))
+    except NonFiniteValues as error:
+        name = names[error.part - 1 - len(headers)]
+        raise ValueError(f"tensor {name!r}: tensor has NaN or Inf values") from None
 
 
 def _compress_all(
@@ -302,8 +359,6 @@ def _compress_split(
     exempt: set[str],
 ) -> list[tuple[Payload, Context]]:
     """``compressor`` on the tensors not in ``exempt``, the identity on those in it."""
-    from fedddl.compression.identity import IdentityCompressor
-
     keep = [i for i, name in enumerate(names) if name not in exempt]
     out: list[tuple[Payload, Context] | None] = [None] * len(names)
     picked = _compress_all(
@@ -311,7 +366,7 @@ def _compress_split(
     )
     for i, result in zip(keep, picked, strict=True):
         out[i] = result
-    identity = IdentityCompressor()
+    identity = _Identity()
     for i, name in enumerate(names):
         if name in exempt:
             with _naming(name):
@@ -678,11 +733,19 @@ def decode_update(
     into_buffers = []
     on_device: list[tuple[torch.Tensor, int, float, str, torch.Tensor]] = []
     new_items, new_entries = [], []
+    dense_targets: list[np.ndarray[Any, Any]] = []  # fp32 etc. copied as bytes, in one pass
+    dense_sources: list[np.ndarray[Any, Any]] = []
     for entry, raw in zip(entries, raws, strict=True):
         name, dtype, kind, shape, scale = entry
         target = None if out is None else out[name]
         if kind == _KIND_DENSE:
-            result[name] = _decode_entry(raw, entry, target)
+            if target is None or _is_direct_target(target, dtype):
+                values = torch.empty(shape, dtype=dtype) if target is None else target
+                dense_targets.append(values.detach().reshape(-1).view(torch.uint8).numpy())
+                dense_sources.append(raw.numpy())
+                result[name] = values
+            else:
+                result[name] = _decode_entry(raw, entry, target)
             continue
         item = (raw, math.prod(shape), scale, _CODEC_OF_KIND[kind])
         if target is None:
@@ -697,6 +760,7 @@ def decode_update(
             result[name] = target
         else:
             result[name] = _decode_entry(raw, entry, target)
+    copy_pieces(dense_targets, dense_sources)
     unpack_codes_batch(into_buffers)
     unpack_into(on_device)
     for (name, dtype, _, shape, _), flat in zip(
