@@ -11,6 +11,7 @@ from fedddl.compression.base import Compressor
 from fedddl.compression.errors import PayloadError
 from fedddl.compression.identity import IdentityCompressor
 from fedddl.compression.memory import Memory, NoMemory, ResidualMemory
+from fedddl.compression.message_buffer import MessageBuffer
 from fedddl.compression.packing import CODECS, pack_codes, unpack_codes
 from fedddl.compression.payload import (
     SUPPORTED_DTYPES,
@@ -50,6 +51,7 @@ __all__ = [
     "EntryHeader",
     "IdentityCompressor",
     "Memory",
+    "MessageBuffer",
     "NoMemory",
     "Payload",
     "PayloadError",
