@@ -27,6 +27,7 @@ never on the number of threads, the chunk size or the batching.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -53,6 +54,8 @@ _VALUES_PER_WORD = 4  # 16-bit random integers per 64-bit PCG64DXSM output
 #: byte), large enough that GIL hand-overs between threads are rare, small enough for L2.
 CHUNK = 20 * 16384
 _LOW_64 = (1 << 64) - 1
+_FIXED_SEED = np.random.SeedSequence(0)  # for generators whose state is set right after
+_scratch_generators = threading.local()
 
 
 class RandomBits:
@@ -65,16 +68,26 @@ class RandomBits:
 
     def fork(self, offset_values: int) -> np.random.PCG64DXSM:
         """A generator positioned ``offset_values`` 16-bit values ahead (a multiple of 4)."""
-        forked = np.random.PCG64DXSM()
+        forked = np.random.PCG64DXSM(_FIXED_SEED)  # replaced by our state; no OS entropy
         forked.state = self._bitgen.state
         forked.advance(offset_values // _VALUES_PER_WORD)
         return forked
+
+    def _scratch(self, offset_values: int) -> np.random.PCG64DXSM:
+        """:meth:`fork` into this thread's scratch generator (valid until this thread's
+        next call): creating a generator costs more than drawing a small tensor's codes."""
+        scratch: np.random.PCG64DXSM | None = getattr(_scratch_generators, "pcg", None)
+        if scratch is None:
+            scratch = _scratch_generators.pcg = np.random.PCG64DXSM(_FIXED_SEED)
+        scratch.state = self._bitgen.state
+        scratch.advance(offset_values // _VALUES_PER_WORD)
+        return scratch
 
     def state_at(self, offset_values: int) -> np.ndarray:
         """The generator state ``offset_values`` values ahead (a multiple of 4), as the four
         ``uint64`` (state high, state low, increment high, increment low) that the
         compiled kernels take (:mod:`fedddl.compression.kernels`)."""
-        state = self.fork(offset_values).state["state"]
+        state = self._scratch(offset_values).state["state"]
         words = (state["state"] >> 64, state["state"], state["inc"] >> 64, state["inc"])
         return np.array([w & _LOW_64 for w in words], dtype=np.uint64)
 
@@ -195,7 +208,7 @@ def ternarize_stochastic_batch(
         position = -1
         for k, start in units[first:stop]:
             if bitgen is None or bases[k] + start != position:  # not where the last chunk ended
-                bitgen = bits.fork(bases[k] + start)
+                bitgen = bits._scratch(bases[k] + start)
             chunk = arrays[k][start : start + CHUNK]
             size = chunk.size
             rand = _uint16(bitgen, size)
