@@ -33,6 +33,7 @@ __all__ = [
     "check_crc",
     "check_magic",
     "crc32",
+    "crc32_combine",
     "crc32_of",
     "seal",
     "unseal",
@@ -76,6 +77,50 @@ def check_magic(
         raise error(
             f"{what}: unsupported format version {version}, expected {expected_version}"
         )
+
+
+_ZERO_BYTE_OPERATORS: list[list[int]] = []  # [k]: appending 2**k zero bytes, as GF(2) rows
+
+
+def _gf2_times(matrix: list[int], vector: int) -> int:
+    total, row = 0, 0
+    while vector:
+        if vector & 1:
+            total ^= matrix[row]
+        vector >>= 1
+        row += 1
+    return total
+
+
+def _zero_byte_operators() -> list[list[int]]:
+    """zlib's ``crc32_combine`` operators (one 32x32 GF(2) matrix per power of two of
+    zero bytes appended), computed once (~5 ms)."""
+    if not _ZERO_BYTE_OPERATORS:
+        one_bit = [0xEDB88320] + [1 << (n - 1) for n in range(1, 32)]
+        operator = one_bit
+        for _ in range(3):  # 2, 4, 8 zero bits
+            operator = [_gf2_times(operator, row) for row in operator]
+        operators = [operator]
+        for _ in range(47):  # up to 2**47 bytes
+            operators.append([_gf2_times(operators[-1], row) for row in operators[-1]])
+        _ZERO_BYTE_OPERATORS[:] = operators
+    return _ZERO_BYTE_OPERATORS
+
+
+def crc32_combine(crc1: int, crc2: int, length2: int) -> int:
+    """The CRC-32 of ``A + B`` from ``crc1 = crc32(A)``, ``crc2 = crc32(B)`` and ``len(B)``
+    (zlib's ``crc32_combine``, which Python's ``zlib`` does not expose): pieces of a
+    message checksummed on several threads give the message's CRC."""
+    if length2 < 0:
+        raise ValueError(f"length2 must be >= 0, got {length2}")
+    operators = _zero_byte_operators()
+    power = 0
+    while length2:
+        if length2 & 1:
+            crc1 = _gf2_times(operators[power], crc1)
+        length2 >>= 1
+        power += 1
+    return crc1 ^ crc2
 
 
 def crc32_of(parts: Iterable[BytesLike], start: int = 0) -> int:

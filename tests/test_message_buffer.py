@@ -101,3 +101,45 @@ def test_write_checks_the_declared_size_and_names_the_bad_part() -> None:
         buffer.write([b"x", values], 1 + len(values), finite_float32={1})
     assert caught.value.part == 1
     assert bytes(buffer.write([b"x", values], 1 + len(values))) == b"x" + values  # unchecked
+
+
+def test_a_sealed_write_appends_the_crc_of_the_parts() -> None:
+    import zlib
+
+    parts = [b"head", bytes(range(256)) * 5000, b"", b"tail"]  # pieces of 512 KiB and a rest
+    body = b"".join(parts)
+    sealed = MessageBuffer().write(parts, len(body) + 4, seal=True)
+    assert bytes(sealed) == body + zlib.crc32(body).to_bytes(4, "little")
+
+
+@pytest.mark.parametrize("split", [0, 1, 4095, 1 << 20])
+def test_crc32_combine_is_zlibs(split: int) -> None:
+    import os
+    import zlib
+
+    from fedddl.framing import crc32_combine
+
+    data = os.urandom((1 << 20) + 12345)
+    head, tail = data[:split], data[split:]
+    assert crc32_combine(zlib.crc32(head), zlib.crc32(tail), len(tail)) == zlib.crc32(data)
+    with pytest.raises(ValueError, match="length2"):
+        crc32_combine(0, 0, -1)
+
+
+def test_a_sealed_write_on_several_threads_is_the_same_message(threads: int) -> None:
+    del threads
+    update = {f"t{i}": torch.randn(300_000 + i) for i in range(9)}  # ~11 MB: every thread works
+    message = encode_update(update, IdentityCompressor(), into=MessageBuffer())
+    assert bytes(message) == encode_update(update, IdentityCompressor())
+
+
+def test_the_threaded_crc_is_zlibs(threads: int) -> None:
+    import os
+    import zlib
+
+    from fedddl.compression.parallel import crc32_threaded
+
+    del threads
+    for size in (0, 5, (1 << 22) * 3 + 7):
+        data = os.urandom(size)
+        assert crc32_threaded(data) == zlib.crc32(data)

@@ -16,11 +16,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedddl.framing import crc32, crc32_combine
+
 __all__ = [
     "MAX_WORKERS",
     "chunk_units",
     "copy_bytes",
     "copy_pieces",
+    "crc32_threaded",
     "run_in_chunks",
     "run_pipelined",
     "run_units",
@@ -68,7 +71,7 @@ def _run_groups(work: Callable[[int, int], None], groups: Sequence[tuple[int, in
     _raise_first([_executor().submit(work, lo, hi) for lo, hi in groups])
 
 
-def _raise_first(futures: Sequence[Future[None]]) -> None:
+def _raise_first(futures: Sequence[Future[Any]]) -> None:
     """Wait for all ``futures``, then re-raise the first exception among them, if any."""
     errors = [future.exception() for future in futures]
     for error in errors:
@@ -175,3 +178,23 @@ def copy_pieces(
                 copy(k, targets[k][start:end], sources[k][start:end])
 
     run_units(work, weights, 1 << 20)
+
+
+_CRC_SEGMENT = 1 << 22  # bytes per thread at least, for crc32_threaded
+
+
+def crc32_threaded(data: bytes | bytearray | memoryview) -> int:
+    """``zlib.crc32(data)``, the segments of a large buffer checksummed on up to
+    ``torch.get_num_threads()`` threads and combined (:func:`fedddl.framing.crc32_combine`)."""
+    view = memoryview(data).cast("B")
+    workers = worker_count(view.nbytes, _CRC_SEGMENT)
+    if workers == 1:
+        return crc32(view)
+    per = -(-view.nbytes // workers)
+    bounds = [(lo, min(lo + per, view.nbytes)) for lo in range(0, view.nbytes, per)]
+    futures = [_executor().submit(crc32, view[lo:hi]) for lo, hi in bounds]
+    _raise_first(futures)
+    total = 0
+    for (lo, hi), future in zip(bounds, futures, strict=True):
+        total = crc32_combine(total, future.result(), hi - lo)
+    return total

@@ -66,7 +66,7 @@ from fedddl.compression.packing import (
     unpack_codes_batch,
     unpack_codes_new,
 )
-from fedddl.compression.parallel import copy_bytes, copy_pieces
+from fedddl.compression.parallel import copy_bytes, copy_pieces, crc32_threaded
 from fedddl.compression.payload import (
     Context,
     DensePayload,
@@ -317,22 +317,23 @@ def encode_update(
     elif compressor.entropy_coding:
         raise ValueError(f"unknown entropy coding {compressor.entropy_coding!r}")
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(headers), total)
+    if into is not None:  # the CRC is computed as the buffer is filled
+        checked = [  # float32 payloads: part 0 is the prefix and the headers, then the data
+            1 + k
+            for k, (payload, _) in enumerate(compressed)
+            if fused_check
+            and isinstance(payload, DensePayload)
+            and payload.values.dtype == torch.float32
+        ]
+        try:
+            return into.write(
+                [prefix + b"".join(headers), *data], total, finite_float32=checked, seal=True
+            )
+        except NonFiniteValues as error:
+            name = names[error.part - 1]
+            raise ValueError(f"tensor {name!r}: tensor has NaN or Inf values") from None
     crc = crc32_of(data, crc32_of(headers, zlib.crc32(prefix)))
-    parts: list[bytes | memoryview] = [prefix, *headers, *data, _CRC.pack(crc)]
-    if into is None:
-        return b"".join(parts)
-    if not fused_check:
-        return into.write(parts, total)
-    unchecked = [  # float32 payloads: part 0 is the prefix, then the headers, then the data
-        1 + len(headers) + k
-        for k, (payload, _) in enumerate(compressed)
-        if isinstance(payload, DensePayload) and payload.values.dtype == torch.float32
-    ]
-    try:
-        return into.write(parts, total, finite_float32=set(unchecked))
-    except NonFiniteValues as error:
-        name = names[error.part - 1 - len(headers)]
-        raise ValueError(f"tensor {name!r}: tensor has NaN or Inf values") from None
+    return b"".join([prefix, *headers, *data, _CRC.pack(crc)])
 
 
 def _compress_all(
@@ -420,7 +421,8 @@ def _check_prefix(view: memoryview) -> int:
     if len(view) > total:
         raise PayloadError(f"{len(view) - total} trailing bytes after the declared {total}")
     (crc,) = _CRC.unpack_from(view, total - _CRC.size)
-    check_crc("compressed update", view[: total - _CRC.size], crc, error=PayloadError)
+    if crc32_threaded(view[: total - _CRC.size]) != crc:  # check_crc's test, on the threads
+        check_crc("compressed update", view[: total - _CRC.size], crc, error=PayloadError)
     if flags != 0:
         raise PayloadError(f"unknown flags {flags:#x}")
     return int(count)
