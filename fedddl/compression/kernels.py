@@ -26,6 +26,7 @@ All kernels release the GIL, so the package's thread pool runs them in parallel.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -67,6 +68,52 @@ def _jump_constants(words: int) -> tuple[int, int, int, int]:
 
 
 _JUMP_A_HI, _JUMP_A_LO, _JUMP_G_HI, _JUMP_G_LO = _jump_constants(_WORD_LANES)
+
+
+def _counted_loop(
+    builder: Any, count: Any, step: int, starts: list[Any], body: Callable[..., list[Any]]
+) -> list[Any]:
+    """Emit ``for index in range(0, count, step)`` carrying values in registers (LLVM
+    phis): ``body(index, values)`` emits one step and returns the next values; the
+    values after the loop (``starts`` if ``count <= 0``) are returned."""
+    intp = count.type
+    entry = builder.block
+    loop = builder.append_basic_block("loop")
+    done = builder.append_basic_block("done")
+    builder.cbranch(builder.icmp_signed(">", count, ir.Constant(intp, 0)), loop, done)
+    builder.position_at_end(loop)
+    index = builder.phi(intp)
+    values = [builder.phi(start.type) for start in starts]
+    following = body(index, values)
+    next_index = builder.add(index, ir.Constant(intp, step))
+    end = builder.block
+    builder.cbranch(builder.icmp_signed("<", next_index, count), loop, done)
+    for phi, start, after in zip(
+        [index, *values], [ir.Constant(intp, 0), *starts], [next_index, *following], strict=True
+    ):
+        phi.add_incoming(start, entry)
+        phi.add_incoming(after, end)
+    builder.position_at_end(done)
+    finals = []
+    for start, after in zip(starts, following, strict=True):
+        final = builder.phi(start.type)
+        final.add_incoming(start, entry)
+        final.add_incoming(after, end)
+        finals.append(final)
+    return finals
+
+
+def _splat(builder: Any, value: Any, vector: Any) -> Any:
+    """A ``vector`` with ``value`` in every lane."""
+    undefined = ir.Constant(vector, ir.Undefined)
+    one = builder.insert_element(undefined, value, ir.Constant(ir.IntType(32), 0))
+    zeros = ir.Constant(ir.VectorType(ir.IntType(32), vector.count), [0] * vector.count)
+    return builder.shuffle_vector(one, undefined, zeros)
+
+
+def _pointer_at(builder: Any, base: Any, index: Any, vector: Any) -> Any:
+    """``&base[index]`` as a pointer to ``vector``."""
+    return builder.bitcast(builder.gep(base, [index]), vector.as_pointer())
 
 
 @intrinsic  # type: ignore[misc]
@@ -139,17 +186,9 @@ def _vector_words(
         count = args[3]
         intp = count.type
         vector = ir.VectorType(ir.IntType(64), _WORD_LANES)
-        pointer = vector.as_pointer()
 
         def const(value: int) -> Any:
             return ir.Constant(vector, [value] * _WORD_LANES)
-
-        def splat(k: int) -> Any:
-            value = builder.load(builder.gep(jumps, [ir.Constant(intp, k)]))
-            undefined = ir.Constant(vector, ir.Undefined)
-            one = builder.insert_element(undefined, value, ir.Constant(ir.IntType(32), 0))
-            zeros = ir.Constant(ir.VectorType(ir.IntType(32), _WORD_LANES), [0] * _WORD_LANES)
-            return builder.shuffle_vector(one, undefined, zeros)
 
         mask, shift = const(_LOW32), const(32)
 
@@ -166,50 +205,37 @@ def _vector_words(
                 builder.add(builder.lshr(p10, shift), builder.lshr(middle, shift)),
             )
 
-        a_hi, a_lo, c_hi, c_lo = (splat(k) for k in range(4))
+        a_hi, a_lo, c_hi, c_lo = (
+            _splat(builder, builder.load(builder.gep(jumps, [ir.Constant(intp, k)])), vector)
+            for k in range(4)
+        )
         a_lo_low, a_lo_high = builder.and_(a_lo, mask), builder.lshr(a_lo, shift)
         multiplier = const(PCG_CHEAP_MULTIPLIER)
-        first_hi = builder.load(builder.bitcast(highs, pointer), align=8)
-        first_lo = builder.load(builder.bitcast(lows, pointer), align=8)
-        entry = builder.block
-        loop = builder.append_basic_block("words.loop")
-        done = builder.append_basic_block("words.done")
-        builder.cbranch(builder.icmp_signed(">", count, ir.Constant(intp, 0)), loop, done)
+        zero = ir.Constant(intp, 0)
 
-        builder.position_at_end(loop)
-        index, hi, lo = builder.phi(intp), builder.phi(vector), builder.phi(vector)
-        word = builder.mul(builder.xor(hi, builder.lshr(hi, shift)), multiplier)
-        word = builder.xor(word, builder.lshr(word, const(48)))
-        word = builder.mul(word, builder.or_(lo, const(1)))
-        at = builder.gep(out, [builder.mul(index, ir.Constant(intp, 4))])
-        builder.store(word, builder.bitcast(at, pointer), align=2)
-        product_lo = builder.mul(lo, a_lo)
-        product_hi = builder.add(
-            mulhi(lo, a_lo_low, a_lo_high),
-            builder.add(builder.mul(hi, a_lo), builder.mul(lo, a_hi)),
-        )
-        next_lo = builder.add(product_lo, c_lo)
-        carry = builder.zext(builder.icmp_unsigned("<", next_lo, product_lo), vector)
-        next_hi = builder.add(builder.add(product_hi, c_hi), carry)
-        next_index = builder.add(index, ir.Constant(intp, _WORD_LANES))
-        builder.cbranch(builder.icmp_signed("<", next_index, count), loop, done)
-        for phi, start, step in (
-            (index, ir.Constant(intp, 0), next_index),
-            (hi, first_hi, next_hi),
-            (lo, first_lo, next_lo),
-        ):
-            phi.add_incoming(start, entry)
-            phi.add_incoming(step, loop)
+        def step(index: Any, state: list[Any]) -> list[Any]:
+            hi, lo = state
+            word = builder.mul(builder.xor(hi, builder.lshr(hi, shift)), multiplier)
+            word = builder.xor(word, builder.lshr(word, const(48)))
+            word = builder.mul(word, builder.or_(lo, const(1)))
+            at = builder.mul(index, ir.Constant(intp, 4))  # four 16-bit values per word
+            builder.store(word, _pointer_at(builder, out, at, vector), align=2)
+            product_lo = builder.mul(lo, a_lo)
+            product_hi = builder.add(
+                mulhi(lo, a_lo_low, a_lo_high),
+                builder.add(builder.mul(hi, a_lo), builder.mul(lo, a_hi)),
+            )
+            next_lo = builder.add(product_lo, c_lo)
+            carry = builder.zext(builder.icmp_unsigned("<", next_lo, product_lo), vector)
+            return [builder.add(builder.add(product_hi, c_hi), carry), next_lo]
 
-        builder.position_at_end(done)
-        finals = []
-        for start, step in ((first_hi, next_hi), (first_lo, next_lo)):
-            final = builder.phi(vector)  # every phi first in its block
-            final.add_incoming(start, entry)
-            final.add_incoming(step, loop)
-            finals.append(final)
-        builder.store(finals[0], builder.bitcast(highs, pointer), align=8)
-        builder.store(finals[1], builder.bitcast(lows, pointer), align=8)
+        first = [
+            builder.load(_pointer_at(builder, highs, zero, vector), align=8),
+            builder.load(_pointer_at(builder, lows, zero, vector), align=8),
+        ]
+        last_hi, last_lo = _counted_loop(builder, count, _WORD_LANES, first, step)
+        builder.store(last_hi, _pointer_at(builder, highs, zero, vector), align=8)
+        builder.store(last_lo, _pointer_at(builder, lows, zero, vector), align=8)
         return context.get_dummy_value()
 
     return signature, codegen
@@ -244,51 +270,35 @@ def _vector_codes(
         randoms = context.make_array(sig.args[1])(context, builder, args[1]).data
         out = context.make_array(sig.args[5])(context, builder, args[5]).data
         count, factor, limit = args[2], args[3], args[4]
-        intp = count.type
         lanes = _CODE_LANES
         floats = ir.VectorType(ir.FloatType(), lanes)
         words = ir.VectorType(ir.IntType(32), lanes)
         bytes_ = ir.VectorType(ir.IntType(8), lanes)
-
-        def splat(value: Any, vector: Any) -> Any:
-            undefined = ir.Constant(vector, ir.Undefined)
-            one = builder.insert_element(undefined, value, ir.Constant(ir.IntType(32), 0))
-            return builder.shuffle_vector(one, undefined, ir.Constant(words, [0] * lanes))
-
         fabs = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
             builder.module, ir.FunctionType(floats, [floats]), f"llvm.fabs.v{lanes}f32"
         )
         minnum = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
             builder.module, ir.FunctionType(floats, [floats, floats]), f"llvm.minnum.v{lanes}f32"
         )
-        factors, limits = splat(factor, floats), splat(limit, floats)
+        factors, limits = _splat(builder, factor, floats), _splat(builder, limit, floats)
         half = ir.Constant(floats, [0.5] * lanes)
         sign_shift = ir.Constant(words, [31] * lanes)
-        entry = builder.block
-        loop = builder.append_basic_block("codes.loop")
-        done = builder.append_basic_block("codes.done")
-        builder.cbranch(builder.icmp_signed(">", count, ir.Constant(intp, 0)), loop, done)
+        sixteen_bits = ir.VectorType(ir.IntType(16), lanes)
 
-        builder.position_at_end(loop)
-        index = builder.phi(intp)
-        x = builder.load(builder.bitcast(builder.gep(data, [index]), floats.as_pointer()), align=4)
-        scaled = builder.fmul(builder.call(fabs, [x]), factors)
-        level = builder.fsub(builder.call(minnum, [scaled, limits]), half)
-        r_ptr = builder.bitcast(
-            builder.gep(randoms, [index]), ir.VectorType(ir.IntType(16), lanes).as_pointer()
-        )
-        drawn = builder.uitofp(builder.load(r_ptr, align=2), floats)
-        fire = builder.zext(builder.fcmp_ordered("<", drawn, level), bytes_)
-        sign = builder.trunc(builder.lshr(builder.bitcast(x, words), sign_shift), bytes_)
-        code = builder.add(fire, builder.and_(fire, sign))
-        builder.store(
-            code, builder.bitcast(builder.gep(out, [index]), bytes_.as_pointer()), align=1
-        )
-        next_index = builder.add(index, ir.Constant(intp, lanes))
-        builder.cbranch(builder.icmp_signed("<", next_index, count), loop, done)
-        index.add_incoming(ir.Constant(intp, 0), entry)
-        index.add_incoming(next_index, loop)
-        builder.position_at_end(done)
+        def step(index: Any, carried: list[Any]) -> list[Any]:
+            x = builder.load(_pointer_at(builder, data, index, floats), align=4)
+            scaled = builder.fmul(builder.call(fabs, [x]), factors)
+            level = builder.fsub(builder.call(minnum, [scaled, limits]), half)
+            drawn = builder.load(_pointer_at(builder, randoms, index, sixteen_bits), align=2)
+            fire = builder.zext(
+                builder.fcmp_ordered("<", builder.uitofp(drawn, floats), level), bytes_
+            )
+            sign = builder.trunc(builder.lshr(builder.bitcast(x, words), sign_shift), bytes_)
+            code = builder.add(fire, builder.and_(fire, sign))
+            builder.store(code, _pointer_at(builder, out, index, bytes_), align=1)
+            return carried
+
+        _counted_loop(builder, count, lanes, [], step)
         return context.get_dummy_value()
 
     return signature, codegen
@@ -386,23 +396,17 @@ def _vector_rows(typingctx: Any, source: Any, count: Any, table: Any, target: An
         codes, rows, out = data(0), data(2), data(3)
         count = args[1]
         intp = count.type
-        row = ir.VectorType(ir.FloatType(), 8).as_pointer()
-        entry = builder.block
-        loop = builder.append_basic_block("rows.loop")
-        done = builder.append_basic_block("rows.done")
-        builder.cbranch(builder.icmp_signed(">", count, ir.Constant(intp, 0)), loop, done)
-        builder.position_at_end(loop)
-        index = builder.phi(intp)
-        code = builder.zext(builder.load(builder.gep(codes, [index])), intp)
-        at_row = builder.gep(rows, [builder.mul(code, ir.Constant(intp, 8))])
-        values = builder.load(builder.bitcast(at_row, row), align=4)
-        at_out = builder.gep(out, [builder.mul(index, ir.Constant(intp, 5))])
-        builder.store(values, builder.bitcast(at_out, row), align=4)
-        next_index = builder.add(index, ir.Constant(intp, 1))
-        builder.cbranch(builder.icmp_signed("<", next_index, count), loop, done)
-        index.add_incoming(ir.Constant(intp, 0), entry)
-        index.add_incoming(next_index, loop)
-        builder.position_at_end(done)
+        row = ir.VectorType(ir.FloatType(), 8)
+
+        def step(index: Any, carried: list[Any]) -> list[Any]:
+            code = builder.zext(builder.load(builder.gep(codes, [index])), intp)
+            at_row = builder.mul(code, ir.Constant(intp, 8))
+            values = builder.load(_pointer_at(builder, rows, at_row, row), align=4)
+            at_out = builder.mul(index, ir.Constant(intp, 5))
+            builder.store(values, _pointer_at(builder, out, at_out, row), align=4)
+            return carried
+
+        _counted_loop(builder, count, 1, [], step)
         return context.get_dummy_value()
 
     return signature, codegen
@@ -453,50 +457,25 @@ def _vector_lane_sums(typingctx: Any, values: Any, whole: Any, sums: Any, peaks:
         maxnum = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
             builder.module, ir.FunctionType(narrow, [narrow, narrow]), f"llvm.maxnum.v{LANES}f32"
         )
+
+        def step(index: Any, carried: list[Any]) -> list[Any]:
+            total, square, peak = carried
+            x = builder.load(_pointer_at(builder, data, index, narrow), align=4)
+            w = builder.fpext(x, wide)
+            return [
+                builder.fadd(total, w),
+                builder.fadd(square, builder.fmul(w, w)),  # exact product: no FMA issue
+                builder.call(maxnum, [peak, builder.call(fabs, [x])]),
+            ]
+
         zero_wide = ir.Constant(wide, [0.0] * LANES)
-        zero_narrow = ir.Constant(narrow, [0.0] * LANES)
-        entry = builder.block
-        loop = builder.append_basic_block("lanes.loop")
-        done = builder.append_basic_block("lanes.done")
-        builder.cbranch(builder.icmp_signed(">", count, ir.Constant(intp, 0)), loop, done)
-
-        builder.position_at_end(loop)
-        index, total, square, peak = (
-            builder.phi(intp),
-            builder.phi(wide),
-            builder.phi(wide),
-            builder.phi(narrow),
+        starts = [zero_wide, zero_wide, ir.Constant(narrow, [0.0] * LANES)]
+        total, square, peak = _counted_loop(builder, count, LANES, starts, step)
+        builder.store(total, _pointer_at(builder, sums_out, ir.Constant(intp, 0), wide), align=8)
+        builder.store(
+            square, _pointer_at(builder, sums_out, ir.Constant(intp, LANES), wide), align=8
         )
-        x = builder.load(builder.bitcast(builder.gep(data, [index]), narrow.as_pointer()), align=4)
-        w = builder.fpext(x, wide)
-        next_total = builder.fadd(total, w)
-        next_square = builder.fadd(square, builder.fmul(w, w))  # exact product: no FMA issue
-        next_peak = builder.call(maxnum, [peak, builder.call(fabs, [x])])
-        next_index = builder.add(index, ir.Constant(intp, LANES))
-        builder.cbranch(builder.icmp_signed("<", next_index, count), loop, done)
-        for phi, start, step in (
-            (index, ir.Constant(intp, 0), next_index),
-            (total, zero_wide, next_total),
-            (square, zero_wide, next_square),
-            (peak, zero_narrow, next_peak),
-        ):
-            phi.add_incoming(start, entry)
-            phi.add_incoming(step, loop)
-
-        builder.position_at_end(done)
-        results = []
-        for start, step in ((zero_wide, next_total), (zero_wide, next_square)):
-            result = builder.phi(wide)
-            result.add_incoming(start, entry)
-            result.add_incoming(step, loop)
-            results.append(result)
-        final_peak = builder.phi(narrow)
-        final_peak.add_incoming(zero_narrow, entry)
-        final_peak.add_incoming(next_peak, loop)
-        builder.store(results[0], builder.bitcast(sums_out, wide.as_pointer()), align=8)
-        squares_out = builder.gep(sums_out, [ir.Constant(intp, LANES)])
-        builder.store(results[1], builder.bitcast(squares_out, wide.as_pointer()), align=8)
-        builder.store(final_peak, builder.bitcast(peaks_out, narrow.as_pointer()), align=4)
+        builder.store(peak, _pointer_at(builder, peaks_out, ir.Constant(intp, 0), narrow), align=4)
         return context.get_dummy_value()
 
     return signature, codegen

@@ -156,26 +156,17 @@ def copy_bytes(target: np.ndarray[Any, Any], source: np.ndarray[Any, Any]) -> No
 
 
 def copy_pieces(
-    targets: Sequence[np.ndarray[Any, Any]],
-    sources: Sequence[np.ndarray[Any, Any]],
-    copy: Callable[[int, np.ndarray[Any, Any], np.ndarray[Any, Any]], None] | None = None,
+    targets: Sequence[np.ndarray[Any, Any]], sources: Sequence[np.ndarray[Any, Any]]
 ) -> None:
     """``np.copyto(targets[k], sources[k])`` for every ``k`` (1-D byte arrays of equal
     sizes), in chunks of up to 4 MiB shared out over the threads, so that a model's many
-    small tensors are copied in parallel too.
-
-    ``copy(k, target_chunk, source_chunk)``, if given, copies one chunk of piece ``k``
-    instead (e.g. checking it on the way); chunks start at multiples of 4 MiB.
-    """
+    small tensors are copied in parallel too."""
     units, weights = chunk_units([source.size for source in sources], _COPY_CHUNK)
 
     def work(first: int, stop: int) -> None:
         for k, start in units[first:stop]:
             end = start + _COPY_CHUNK
-            if copy is None:
-                np.copyto(targets[k][start:end], sources[k][start:end])
-            else:
-                copy(k, targets[k][start:end], sources[k][start:end])
+            np.copyto(targets[k][start:end], sources[k][start:end])
 
     run_units(work, weights, 1 << 20)
 
