@@ -39,6 +39,8 @@ def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:
         "decode_update ternary base-3, out=warm",
         "decode_update ternary-entropy, out=warm",
         "decode_update identity fp32, out=warm",
+        "encode_update identity fp32, into=warm",
+        "encode_update ternary base-3, into=warm",
     ):
         assert name in cases
     two_bit = cases["encode_update ternary 2-bit"]
@@ -46,6 +48,9 @@ def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:
     assert two_bit["reference"].startswith("GRACE TernGrad compress")
     assert cases["decode_update ternary base-3"]["reference"].startswith("GRACE TernGrad decomp")
     assert cases["encode_update identity fp32"]["reference"] == "memory copy, warm buffer (copy_)"
+    into = cases["encode_update identity fp32, into=warm"]
+    assert into["reference"] == "memory copy, warm buffer (copy_)"
+    assert into["message_bytes"] == cases["encode_update identity fp32"]["message_bytes"]
     # random normal values: entropy coding saves little, but never costs
     entropy = cases["encode_update ternary-entropy"]["message_bytes"]
     assert entropy <= cases["encode_update ternary base-3"]["message_bytes"]
