@@ -8,7 +8,8 @@ that encodes one large message after another (a client, a peer, a benchmark) kee
 grows to the largest message and its pages stay mapped.
 
 The returned view is valid until the next message is written into the same buffer:
-send or copy it before encoding the next one.
+send or copy it before encoding the next one.  A buffer holds one message at a time, so
+threads that encode concurrently each keep their own.
 """
 
 from __future__ import annotations
