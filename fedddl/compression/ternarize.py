@@ -50,9 +50,10 @@ __all__ = [
 PROBABILITY_BITS = 16
 _STEPS = float(1 << PROBABILITY_BITS)
 _VALUES_PER_WORD = 4  # 16-bit random integers per 64-bit PCG64DXSM output
-#: Elements per chunk of work: a multiple of 4 and 5 (so only the last chunk has a partial
-#: byte), large enough that GIL hand-overs between threads are rare, small enough for L2.
-CHUNK = 20 * 16384
+#: Elements per chunk of work: whole blocks of the compiled kernel (4,000 values, a multiple
+#: of 4 and 5, so only a tensor's last chunk has a partial block or byte), large enough that
+#: GIL hand-overs between threads are rare, small enough for L2.
+CHUNK = 80 * 4000
 _LOW_64 = (1 << 64) - 1
 _FIXED_SEED = np.random.SeedSequence(0)  # for generators whose state is set right after
 _scratch_generators = threading.local()
