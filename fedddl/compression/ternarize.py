@@ -173,9 +173,11 @@ def ternarize_stochastic_batch(
     ]
     # tensor k's first random value, counted from the stream's position
     bases = list(itertools.accumulate((-(-v.size // 4) * 4 for v in arrays), initial=0))
-    units, weights = chunk_units([values.size for values in arrays], CHUNK)
-
-    kernels = jit_kernels(sum(weights))
+    sizes = [values.size for values in arrays]
+    kernels = jit_kernels(sum(sizes))
+    # one thread: one kernel call per tensor (chunks only share the work out over threads)
+    span = max(sizes, default=1) if kernels is not None and torch.get_num_threads() == 1 else CHUNK
+    units, weights = chunk_units(sizes, max(span, 1))
 
     def work_jit(first: int, stop: int) -> None:
         assert kernels is not None
@@ -184,7 +186,7 @@ def ternarize_stochastic_batch(
         for k, start in units[first:stop]:
             if state is None or bases[k] + start != position:  # not where the last chunk ended
                 state = bits.state_at(bases[k] + start)
-            chunk = arrays[k][start : start + CHUNK]
+            chunk = arrays[k][start : start + span]
             size = chunk.size
             position = bases[k] + start + -(-size // 4) * 4  # the kernel draws whole words
             first_byte = start // per
@@ -229,8 +231,7 @@ def ternarize_stochastic_batch(
             pack_padded_codes(codes, size, target, codec)
 
     run_units(work if kernels is None else work_jit, weights, CHUNK)
-    for values in arrays:
-        bits.skip(values.size)
+    bits.skip(bases[-1])  # past every tensor's values, each rounded up to whole words
     return [torch.from_numpy(out) for out in outs]
 
 
