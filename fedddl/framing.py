@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TypeAlias
 
 __all__ = [
@@ -131,9 +131,17 @@ def crc32_of(parts: Iterable[BytesLike], start: int = 0) -> int:
     return crc
 
 
-def check_crc(what: str, data: BytesLike, expected: int, *, error: type[Exception]) -> None:
-    """Raise ``error`` (``"<what>: checksum mismatch ..."``) unless the CRC-32 matches."""
-    if crc32(data) != expected:
+def check_crc(
+    what: str,
+    data: BytesLike,
+    expected: int,
+    *,
+    error: type[Exception],
+    checksum: Callable[[BytesLike], int] | None = None,
+) -> None:
+    """Raise ``error`` (``"<what>: checksum mismatch ..."``) unless the CRC-32 matches;
+    ``checksum`` computes it (default :func:`crc32`; e.g. a threaded one)."""
+    if (checksum or crc32)(data) != expected:
         raise error(f"{what}: checksum mismatch (CRC-32): the data is corrupted")
 
 

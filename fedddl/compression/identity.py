@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -69,20 +70,24 @@ class IdentityCompressor(Compressor):
 
 
 def _all_finite(values: torch.Tensor) -> bool:
-    """Whether every value is finite, in one read and no temporary tensor.
-
-    A NaN or an infinity makes the sum NaN or infinite, so a finite sum proves every
-    value finite (numpy's SIMD sum, float32/float64 on the CPU; ``add.reduce``, not
-    ``einsum``, whose call costs ~10 us on a model's many small tensors); only a
-    non-finite sum (or an overflow of finite values) needs the exact test: min and max are finite
-    (NaN propagates through both).
-    """
+    """Whether every value is finite (:func:`all_finite_array` on the CPU for float32 and
+    float64; ``aminmax`` otherwise: NaN propagates through both)."""
     flat = values.reshape(-1)
-    summable = flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.float64)
-    if summable:
-        with np.errstate(over="ignore", invalid="ignore"):  # overflow/NaN are what we test
-            total = float(np.add.reduce(flat.numpy()))
-        if math.isfinite(total):
-            return True
+    if flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.float64):
+        return all_finite_array(flat.numpy())
     low, high = torch.aminmax(flat)
     return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+
+
+def all_finite_array(values: np.ndarray[Any, Any]) -> bool:
+    """Whether every value of a float32/float64 array is finite, in one read and no
+    temporary array.
+
+    A NaN or an infinity makes the sum NaN or infinite, so a finite sum proves every
+    value finite (numpy's SIMD sum; ``add.reduce``, not ``einsum``, whose call costs
+    ~10 us on a model's many small tensors); only a non-finite sum (or an overflow of
+    finite values) needs the exact test.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow/NaN are what we test
+        total = float(np.add.reduce(values))
+    return math.isfinite(total) or bool(np.isfinite(values).all())

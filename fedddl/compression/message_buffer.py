@@ -14,13 +14,13 @@ threads that encode concurrently each keep their own.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection, Sequence
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
+from fedddl.compression.identity import all_finite_array
 from fedddl.compression.jit import jit_kernels
 from fedddl.compression.parallel import run_units
 from fedddl.framing import CRC, crc32, crc32_combine
@@ -128,10 +128,5 @@ def _copy_finite32(
     """Copy ``uint32`` bit patterns of float32 values; whether every value is finite."""
     if kernels is not None:
         return bool(kernels.copy_finite32(source, target))
-    np.copyto(target, source)  # then a SIMD sum: finite iff every value is
-    values = target.view(np.float32)
-    with np.errstate(over="ignore", invalid="ignore"):  # overflow/NaN are what we test
-        total = float(np.add.reduce(values))
-    if math.isfinite(total):
-        return True
-    return bool(np.isfinite(values).all())  # a NaN/Inf, or a float32 sum that overflowed
+    np.copyto(target, source)
+    return all_finite_array(target.view(np.float32))

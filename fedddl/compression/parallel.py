@@ -139,7 +139,7 @@ def run_pipelined(
     _raise_first(futures)
 
 
-_COPY_CHUNK = 1 << 22  # bytes per chunk of copy_bytes: 4 MiB
+_COPY_CHUNK = 1 << 22  # bytes per chunk of copy_pieces: 4 MiB
 
 
 def copy_bytes(target: np.ndarray[Any, Any], source: np.ndarray[Any, Any]) -> None:
@@ -148,11 +148,7 @@ def copy_bytes(target: np.ndarray[Any, Any], source: np.ndarray[Any, Any]) -> No
     reach the machine's memory bandwidth)."""
     if target.shape != source.shape:
         raise ValueError(f"copy_bytes: {target.shape} bytes into {source.shape}")
-
-    def work(lo: int, hi: int) -> None:
-        np.copyto(target[lo:hi], source[lo:hi])
-
-    run_in_chunks(work, source.size, _COPY_CHUNK)
+    copy_pieces([target], [source])
 
 
 def copy_pieces(

@@ -69,10 +69,7 @@ class RandomBits:
 
     def fork(self, offset_values: int) -> np.random.PCG64DXSM:
         """A generator positioned ``offset_values`` 16-bit values ahead (a multiple of 4)."""
-        forked = np.random.PCG64DXSM(_FIXED_SEED)  # replaced by our state; no OS entropy
-        forked.state = self._bitgen.state
-        forked.advance(offset_values // _VALUES_PER_WORD)
-        return forked
+        return self._position(np.random.PCG64DXSM(_FIXED_SEED), offset_values)
 
     def _scratch(self, offset_values: int) -> np.random.PCG64DXSM:
         """:meth:`fork` into this thread's scratch generator (valid until this thread's
@@ -80,9 +77,15 @@ class RandomBits:
         scratch: np.random.PCG64DXSM | None = getattr(_scratch_generators, "pcg", None)
         if scratch is None:
             scratch = _scratch_generators.pcg = np.random.PCG64DXSM(_FIXED_SEED)
-        scratch.state = self._bitgen.state
-        scratch.advance(offset_values // _VALUES_PER_WORD)
-        return scratch
+        return self._position(scratch, offset_values)
+
+    def _position(
+        self, generator: np.random.PCG64DXSM, offset_values: int
+    ) -> np.random.PCG64DXSM:
+        """``generator`` (its own seed irrelevant) set ``offset_values`` values ahead."""
+        generator.state = self._bitgen.state
+        generator.advance(offset_values // _VALUES_PER_WORD)
+        return generator
 
     def state_at(self, offset_values: int) -> np.ndarray:
         """The generator state ``offset_values`` values ahead (a multiple of 4), as the four

@@ -43,10 +43,11 @@ import math
 import struct
 import warnings
 import zlib
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, overload
+from functools import partial
+from typing import Any, NoReturn, overload
 
 import numpy as np
 import torch
@@ -153,12 +154,12 @@ def _entry_data(name: str, payload: Payload, ctx: Context) -> memoryview:
     return _raw_bytes(payload.codes)
 
 
-def _named(name: str, error: ValueError | TypeError) -> ValueError | TypeError:
-    """``error`` prefixed with the tensor's name (itself if it names the tensor already)."""
+def _raise_named(name: str, error: ValueError | TypeError) -> NoReturn:
+    """Re-raise ``error`` prefixed with the tensor's name (as it is if it names it)."""
     if str(error).startswith(f"tensor {name!r}"):
-        return error
+        raise error
     kind = ValueError if isinstance(error, ValueError) else TypeError
-    return kind(f"tensor {name!r}: {error}")
+    raise kind(f"tensor {name!r}: {error}") from error
 
 
 @contextmanager
@@ -167,10 +168,7 @@ def _naming(name: str) -> Iterator[None]:
     try:
         yield
     except (ValueError, TypeError) as error:
-        named = _named(name, error)
-        if named is error:
-            raise
-        raise named from error
+        _raise_named(name, error)
 
 
 @overload
@@ -281,10 +279,8 @@ def encode_update(
         compressed = _compress_split(names, inputs, shared, compressor, exempt)
     elif fused_check:
         assert isinstance(compressor, _Identity)
-        try:
-            compressed = compressor.compress_batch(inputs, shared, defer_float32_check=True)
-        except (ValueError, TypeError):
-            compressed = _compress_all(names, inputs, shared, compressor)  # names the tensor
+        batch = partial(compressor.compress_batch, defer_float32_check=True)
+        compressed = _compress_all(names, inputs, shared, compressor, batch)
     else:
         compressed = _compress_all(names, inputs, shared, compressor)
     headers: list[bytes] = []
@@ -297,10 +293,7 @@ def encode_update(
             data.append(_entry_data(name, payload, ctx))
             pending.append((name, tensor, payload, ctx))
     except (ValueError, TypeError) as error:
-        named = _named(name, error)
-        if named is error:
-            raise
-        raise named from error
+        _raise_named(name, error)
     if memory is not None:
         updates = [
             (name, tensor, compressor.decompress(payload, ctx))
@@ -321,10 +314,8 @@ def encode_update(
         checked = [  # float32 payloads: part 0 is the prefix and the headers, then the data
             1 + k
             for k, (payload, _) in enumerate(compressed)
-            if fused_check
-            and isinstance(payload, DensePayload)
-            and payload.values.dtype == torch.float32
-        ]
+            if isinstance(payload, DensePayload) and payload.values.dtype == torch.float32
+        ] if fused_check else []  # fmt: skip
         try:
             return into.write(
                 [prefix + b"".join(headers), *data], total, finite_float32=checked, seal=True
@@ -341,9 +332,12 @@ def _compress_all(
     inputs: list[torch.Tensor],
     shared: list[float | None],
     compressor: Compressor,
+    batch: Callable[..., list[tuple[Payload, Context]]] | None = None,
 ) -> list[tuple[Payload, Context]]:
-    try:  # one pass over all tensors (threaded), or one by one to name the bad tensor
-        return compressor.compress_batch(inputs, shared)
+    """``batch`` (default ``compressor.compress_batch``) on all tensors (one threaded
+    pass), or, if it raises, ``compressor.compress`` one by one to name the bad tensor."""
+    try:
+        return (batch or compressor.compress_batch)(inputs, shared)
     except (ValueError, TypeError):
         compressed = []
         for name, tensor, scale in zip(names, inputs, shared, strict=True):
@@ -421,8 +415,13 @@ def _check_prefix(view: memoryview) -> int:
     if len(view) > total:
         raise PayloadError(f"{len(view) - total} trailing bytes after the declared {total}")
     (crc,) = _CRC.unpack_from(view, total - _CRC.size)
-    if crc32_threaded(view[: total - _CRC.size]) != crc:  # check_crc's test, on the threads
-        check_crc("compressed update", view[: total - _CRC.size], crc, error=PayloadError)
+    check_crc(
+        "compressed update",
+        view[: total - _CRC.size],
+        crc,
+        error=PayloadError,
+        checksum=crc32_threaded,  # large messages on the threads
+    )
     if flags != 0:
         raise PayloadError(f"unknown flags {flags:#x}")
     return int(count)
@@ -654,22 +653,17 @@ def _is_direct_target(target: torch.Tensor, dtype: torch.dtype) -> bool:
 def _decode_entry(
     raw: torch.Tensor,
     entry: tuple[str, torch.dtype, int, tuple[int, ...], float],
-    target: torch.Tensor | None,
+    target: torch.Tensor,
 ) -> torch.Tensor:
-    """Decode one validated entry into ``target`` (written in place) or a new tensor."""
+    """Decode one validated entry into ``target``, a tensor that is not written directly
+    (another dtype or device, not contiguous): decoded, then copied in with a cast."""
     _, dtype, kind, shape, scale = entry
-    numel = math.prod(shape)
     if kind == _KIND_DENSE:
-        if target is not None and _is_direct_target(target, dtype):
-            copy_bytes(target.detach().reshape(-1).view(torch.uint8).numpy(), raw.numpy())
-            return target
         values = torch.empty(shape, dtype=dtype)
         copy_bytes(values.reshape(-1).view(torch.uint8).numpy(), raw.numpy())
     else:
-        codec = _CODEC_OF_KIND[kind]
-        values = unpack_codes(raw, numel, scale, codec).to(dtype).reshape(shape)
-    if target is None:
-        return values
+        values = unpack_codes(raw, math.prod(shape), scale, _CODEC_OF_KIND[kind])
+        values = values.to(dtype).reshape(shape)
     with torch.no_grad():
         target.copy_(values)
     return target
