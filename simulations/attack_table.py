@@ -75,6 +75,17 @@ def run_config(
     }  # fmt: skip
 
 
+def simulate_flags(keys: dict[str, Any]) -> list[str]:
+    """``fedddl simulate`` arguments for run-config ``keys`` (``--KEY VALUE``; the rounds
+    are ``--rounds``; no attack: no attack flags)."""
+    flags: list[str] = []
+    for key, value in keys.items():
+        if key in ("attack", "num-attackers") and not keys["attack"]:
+            continue
+        flags += ["--rounds" if key == "num-server-rounds" else f"--{key}", str(value)]
+    return flags
+
+
 def run_inline(
     attack: str, attackers: int, column: str, rounds: int, downlink: str = "reternarize"
 ) -> dict[str, Any]:
@@ -116,14 +127,10 @@ def run_cell(
         if path.exists():
             break
         command = [
-            sys.executable, "-m", "fedddl", "simulate", "--strategy", "terngrad",
-            "--dataset", "digits", "--num-clients", str(CLIENTS), "--rounds", str(rounds),
-            "--seed", "0", "--quiet", "--out", str(path), "--downlink", downlink, *extra,
+            sys.executable, "-m", "fedddl", "simulate", "--strategy", "terngrad", "--quiet",
+            "--out", str(path), *simulate_flags(run_config(attack, attackers, column, rounds,
+                                                           downlink)), *extra,
         ]  # fmt: skip
-        for key, value in COLUMNS[column].items():
-            command += [f"--{key}", str(value)]
-        if attack:
-            command += ["--attack", attack, "--num-attackers", str(attackers)]
         start = time.perf_counter()
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
         data = json.loads(path.read_text())

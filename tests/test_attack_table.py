@@ -28,6 +28,12 @@ def test_every_cell_is_a_valid_run_config_and_simulate_command() -> None:
         for key, value in table.COLUMNS[column].items():
             field = key.replace("-", "_")
             assert getattr(args, field) == value == getattr(cfg, field)
+        # the Ray run's command line carries every key of the cell
+        command = parser.parse_args(table.simulate_flags(keys))
+        assert (command.rounds, command.num_clients) == (3, keys["num-clients"])
+        for key, value in keys.items():
+            if key not in ("num-server-rounds", "num-clients"):
+                assert getattr(command, key.replace("-", "_")) == value
 
 
 def test_plain_mean_turns_the_defences_off() -> None:
