@@ -19,7 +19,7 @@ from clients.fedavg_client import handle_fedavg_evaluate, handle_fedavg_train
 from clients.localized import handle_localized_train
 from clients.malicious import handle_malicious_train, is_attacker
 from clients.roll_call import handle_roll_call
-from clients.state import cached_clients
+from clients.state import cached_replicas
 from fedddl.app_config import AppConfig
 from fedddl.flower.protocol import (
     CLIENT_CACHED,
@@ -39,8 +39,8 @@ def handle_train(message: Message, context: Context, cfg: AppConfig) -> Message:
 
     With ``FEDDDL_CLIENT_TIMING=1`` in the environment, the reply's ``metrics`` record
     also carries ``client-s`` (seconds spent in this handler) and ``client-cached`` (how
-    many clients' live state this process holds): diagnostics that add a few bytes to
-    every reply.
+    many live replicas this process keeps between messages, at most one per run):
+    diagnostics that add a few bytes to every reply.
     """
     _single_thread()
     start = time.perf_counter()
@@ -49,7 +49,7 @@ def handle_train(message: Message, context: Context, cfg: AppConfig) -> Message:
         metrics = record_of(reply.content, METRICS, MetricRecord)
         if metrics is not None:
             metrics[CLIENT_SECONDS] = time.perf_counter() - start
-            metrics[CLIENT_CACHED] = cached_clients()
+            metrics[CLIENT_CACHED] = cached_replicas()
     return reply
 
 

@@ -32,9 +32,16 @@ def compute_reply(message: Message, context: Context, cfg: AppConfig) -> ClientR
     instruction = parse_train_content(message.content)
     pid, num = partition_of(context.node_config)
     model_fn = cfg.model_factory(device=resolve_device(cfg.device))
-    key = (context.run_id, context.node_id)
+    key = context.run_id  # the run's clients in this process share one live replica
     state = load_state(
-        context.state, model_fn, cfg.learning_rate, cfg.momentum, key=key, lr_decay=cfg.lr_decay()
+        context.state,
+        model_fn,
+        cfg.learning_rate,
+        cfg.momentum,
+        key=key,
+        lr_decay=cfg.lr_decay(),
+        updates=None if instruction.snapshot is not None else dict(instruction.updates),
+        target=instruction.model_version,
     )
     reply = run_instruction(
         state,

@@ -15,33 +15,42 @@ Records:
   in one byte Array (``"blob"``), layout in ``"fedddl.replica-layout"``;
 * ``"fedddl.journal"`` ArrayRecord: ``"v<k>"`` → the encoded update producing version k;
 * ``"fedddl.residual"`` ArrayRecord: error-feedback residuals (when enabled);
-* ``"fedddl.meta"`` ConfigRecord: ``version``, ``saved-version`` (the snapshot's),
-  the uplink ``compressor`` name, a random ``token`` naming this saved state and a random
-  ``lineage`` naming the chain of replicas it descends from (new whenever the replica
-  starts afresh or from a server snapshot; kept when the journal is folded into a new
-  snapshot, which changes the records but not the replica).
+* ``"fedddl.meta"`` ConfigRecord: ``version``, ``saved-version`` (the snapshot's), the
+  uplink ``compressor`` name and ``chains``: the *history digest* of the replica at the
+  snapshot's version and after each journaled update.
 
-As a speed-up, the live objects saved last are also kept in this process, one entry per
-client (``key``: run and node id), and :func:`load_state` removes them from the cache
-while a handler runs, so a handler that fails half-way can never leave a modified replica
-behind. A process serving many clients (a simulation actor) therefore holds at most one
-replica per client. The cached replica is taken back
+A history digest names the exact sequence of states a replica went through: at a snapshot
+it is the BLAKE2b digest of the version and the snapshot's bytes, and each update extends
+it with the update's version and encoded bytes (:func:`extend_chain`). Two replicas with
+the same digest at the same version hold the same weights, buffers and momentum bit for
+bit, whichever client they belong to: every client of a run applies the same broadcast
+updates to the same seeded model.
 
-* as it is when the token and version in ``context.state`` match (this process saved the
-  state last), or
-* *caught up* when another process served the client since (Flower's simulation actors
-  have no client affinity): same lineage, a version between the snapshot's and the saved
-  one, and the journal holds every later update. Every replica of a lineage at version k
-  is the global model at version k, so applying the journaled updates after its version
-  gives bit for bit the replica a rebuild from the snapshot gives, without rebuilding.
-  Anything that does not apply falls back to the rebuild.
+As a speed-up, a process keeps the live replica saved last **per run** (``key``), shared by
+every client of that run it serves, with the digests and updates of its last
+:data:`JOURNAL_LIMIT` versions. :func:`load_state` takes it (and removes it from the
+process while the handler runs, so a handler that fails half-way can never leave a
+modified replica behind) when the client's digest matches it:
+
+* at the same version: used as it is;
+* at an older version within the client's journal: *caught up* with the client's
+  journaled updates (Flower's simulation actors have no client affinity, so another
+  process may have served the client since);
+* at a newer version whose updates the client's message brings, byte for byte, and the
+  client's digest is in the replica's history: the client adopts those updates (journal
+  and digests) without applying them again. In a simulation actor the first client of a
+  round applies the broadcast update and the others of that round reuse it.
+
+Anything else rebuilds the client's replica from its records. A process therefore holds
+one replica per run, not one per client.
 """
 
 from __future__ import annotations
 
-import uuid
+import hashlib
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
 
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from torch import nn
@@ -61,7 +70,15 @@ from fedddl.lr_decay import NO_DECAY, StepDecay
 from fedddl.replica import Replica, ReplicaError
 from fedddl.sync.worker import WorkerState
 
-__all__ = ["JOURNAL_LIMIT", "ClientState", "cached_clients", "load_state", "save_state"]
+__all__ = [
+    "JOURNAL_LIMIT",
+    "ClientState",
+    "cached_replicas",
+    "extend_chain",
+    "load_state",
+    "save_state",
+    "snapshot_chain",
+]
 
 REPLICA_KEY = "fedddl.replica"
 JOURNAL_KEY = "fedddl.journal"
@@ -70,18 +87,60 @@ META_KEY = "fedddl.meta"
 LAYOUT_KEY = "fedddl.replica-layout"
 BLOB_KEY = "blob"
 
-#: Encoded updates journaled before a full snapshot is written again.
+#: Encoded updates journaled before a full snapshot is written again (also the number of
+#: versions a shared replica remembers).
 JOURNAL_LIMIT = 8
-_CACHE_SIZE = 256
-_live: OrderedDict[Hashable, tuple[str, str, WorkerState]] = OrderedDict()
+_RUNS_KEPT = 4
+_DIGEST_BYTES = 16
 
 #: Deprecated alias of :class:`fedddl.sync.worker.WorkerState` (kept for one release).
 ClientState = WorkerState
 
 
-def cached_clients() -> int:
-    """Clients whose live state this process holds (at most one entry per client)."""
-    return len(_live)
+def snapshot_chain(version: int, blob: bytes) -> str:
+    """History digest of a replica saved as ``blob`` (packed snapshot bytes) at ``version``."""
+    digest = hashlib.blake2b(b"fedddl-snapshot", digest_size=_DIGEST_BYTES)
+    digest.update(version.to_bytes(8, "little"))
+    digest.update(blob)
+    return digest.hexdigest()
+
+
+def extend_chain(chain: str, version: int, payload: bytes) -> str:
+    """History digest after applying the encoded update ``payload`` producing ``version``."""
+    digest = hashlib.blake2b(bytes.fromhex(chain), digest_size=_DIGEST_BYTES)
+    digest.update(version.to_bytes(8, "little"))
+    digest.update(payload)
+    return digest.hexdigest()
+
+
+@dataclass
+class _Shared:
+    """A run's live replica in this process and its recent history.
+
+    ``history[k] = (digest at version k, encoded update producing k or None)``.
+    """
+
+    replica: Replica
+    history: dict[int, tuple[str, bytes | None]]
+    version: int = -1
+
+    def __post_init__(self) -> None:
+        self.version = self.replica.version  # the version ``history`` ends at
+
+
+@dataclass
+class _Loaded(WorkerState):
+    """A :class:`WorkerState` whose replica is this process's shared one, with its history."""
+
+    history: dict[int, tuple[str, bytes | None]] = field(default_factory=dict)
+
+
+_shared: OrderedDict[Hashable, _Shared] = OrderedDict()
+
+
+def cached_replicas() -> int:
+    """Live replicas this process keeps between messages (at most one per run)."""
+    return len(_shared)
 
 
 def load_state(
@@ -92,11 +151,15 @@ def load_state(
     *,
     key: Hashable | None = None,
     lr_decay: StepDecay = NO_DECAY,
+    updates: Mapping[int, bytes] | None = None,
+    target: int | None = None,
 ) -> WorkerState:
     """Rebuild the client's state from ``context.state`` (empty → no replica).
 
-    With ``key`` (the client's run and node id) the live objects of the matching
-    :func:`save_state` are taken back instead of deserializing (see the module docstring).
+    With ``key`` (the client's run) the process's live replica of that run is taken
+    instead of deserializing when the history digests allow (see the module docstring);
+    ``updates`` (version → encoded update, from the client's message) and ``target`` (the
+    version the message asks for) allow adopting a replica that is ahead of the client.
 
     Raises
     ------
@@ -110,34 +173,93 @@ def load_state(
     snapshot = record_of(state, REPLICA_KEY, ArrayRecord)
     if meta is None or layout is None or snapshot is None:
         return WorkerState(None, None, ResidualMemory(residuals))
-    version, saved, token = meta.get("version"), meta.get("saved-version"), meta.get("token")
+    version, saved = meta.get("version"), meta.get("saved-version")
     if not isinstance(version, int) or not isinstance(saved, int) or not 0 <= saved <= version:
         raise ValueError(f"context.state has bad versions {version!r} / {saved!r}")
     compressor = meta.get("compressor")
     name = compressor if isinstance(compressor, str) else None
-    entry = _live.pop(key, None) if key is not None else None
-    if entry is not None:
-        cached_token, lineage, cached = entry
-        replica = cached.replica
-        if (
-            replica is not None
-            and replica.learning_rate == learning_rate
-            and replica.momentum == momentum
-            and replica.lr_decay == lr_decay
-        ):
-            if cached_token == token and replica.version == version:
-                return cached
-            if lineage == meta.get("lineage") and saved <= replica.version < version:
-                caught_up = _catch_up(replica, state, saved, version)
-                if caught_up is not None:
-                    return WorkerState(replica, name, ResidualMemory(residuals), caught_up, saved)
+    entries = _journal_entries(state)
+    chains = _chains(meta.get("chains"), saved, version, entries)
+    shared = _shared.pop(key, None) if key is not None and chains is not None else None
+    if shared is not None and chains is not None:
+        if _fits(shared.replica, learning_rate, momentum, lr_decay):
+            taken = _take(shared, chains, entries, saved, version, updates, target)
+            if taken is not None:
+                journal, chains = taken
+                return _Loaded(
+                    shared.replica, name, ResidualMemory(residuals), journal, saved,
+                    chains, shared.history,
+                )  # fmt: skip
+        if shared.replica.version == shared.version:  # untouched: back for the next client
+            _shared.setdefault(key, shared)
     replica = Replica(model_fn(), learning_rate, momentum, version=0, lr_decay=lr_decay)
     blob = snapshot.get(BLOB_KEY)
     if blob is None:
         raise ValueError("context.state replica record has no 'blob' Array")
     replica.load_snapshot(unpack_tensors(blob, layout), saved)
-    journal = _replay(replica, _journal_entries(state))
-    return WorkerState(replica, name, ResidualMemory(residuals), journal, saved)
+    journal = _replay(replica, entries)
+    kept = chains[: len(journal) + 1] if chains is not None else []
+    return WorkerState(replica, name, ResidualMemory(residuals), journal, saved, kept)
+
+
+def _fits(replica: Replica, learning_rate: float, momentum: float, lr_decay: StepDecay) -> bool:
+    return (
+        replica.learning_rate == learning_rate
+        and replica.momentum == momentum
+        and replica.lr_decay == lr_decay
+    )
+
+
+def _take(
+    shared: _Shared,
+    chains: list[str],
+    entries: list[tuple[int, bytes]],
+    saved: int,
+    version: int,
+    updates: Mapping[int, bytes] | None,
+    target: int | None,
+) -> tuple[list[tuple[int, bytes]], list[str]] | None:
+    """Take the run's live replica for a client at ``version`` (see the module docstring).
+
+    Returns the client's journal and digests to go with it, or None: the replica was not
+    touched, or was left half-way by a journaled update that does not apply (then
+    ``shared.replica.version != shared.version`` and the caller drops it).
+    """
+    replica = shared.replica
+    at = replica.version
+    mine = shared.history.get(at, ("", None))[0]
+    if saved <= at <= version and mine == chains[at - saved]:
+        _replay(replica, entries[at - saved :])
+        return (entries, chains) if replica.version == version else None
+    if at <= version or updates is None or target is None or at > target:
+        return None
+    if shared.history.get(version, ("", None))[0] != chains[-1]:
+        return None
+    adopted: list[tuple[int, bytes]] = []
+    for v in range(version + 1, at + 1):
+        payload = shared.history.get(v, ("", None))[1]
+        if payload is None or updates.get(v) != payload:
+            return None
+        adopted.append((v, payload))
+    return entries + adopted, chains + [shared.history[v][0] for v, _ in adopted]
+
+
+def _chains(
+    value: object, saved: int, version: int, entries: list[tuple[int, bytes]]
+) -> list[str] | None:
+    """The stored digests if they fit the journal (one per version saved..version)."""
+    if (
+        not isinstance(value, list)
+        or len(value) != version - saved + 1
+        or [v for v, _ in entries] != list(range(saved + 1, version + 1))
+        or not all(isinstance(c, str) and len(c) == 2 * _DIGEST_BYTES for c in value)
+    ):
+        return None
+    try:
+        bytes.fromhex("".join(value))
+    except ValueError:
+        return None
+    return list(value)
 
 
 def _journal_entries(state: RecordDict) -> list[tuple[int, bytes]]:
@@ -148,22 +270,6 @@ def _journal_entries(state: RecordDict) -> list[tuple[int, bytes]]:
         for k, a in (record or {}).items()
         if k.startswith("v") and k[1:].isdigit()
     )
-
-
-def _catch_up(
-    replica: Replica, state: RecordDict, saved: int, version: int
-) -> list[tuple[int, bytes]] | None:
-    """Apply the journaled updates after ``replica.version`` up to ``version``.
-
-    Returns the whole journal (every update since ``saved``), or None when the journal is
-    not exactly the updates ``saved + 1 .. version`` or one of them does not apply (the
-    replica may then be half-way: the caller rebuilds from the snapshot).
-    """
-    entries = _journal_entries(state)
-    if [v for v, _ in entries] != list(range(saved + 1, version + 1)):
-        return None
-    _replay(replica, entries[replica.version - saved :])
-    return entries if replica.version == version else None
 
 
 def _replay(replica: Replica, entries: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
@@ -188,7 +294,8 @@ def _replay(replica: Replica, entries: list[tuple[int, bytes]]) -> list[tuple[in
 def save_state(state: RecordDict, client: WorkerState, *, key: Hashable | None = None) -> None:
     """Write ``client`` into ``context.state`` (see the module docstring for what is written).
 
-    With ``key`` the live objects are also kept in this process for the next message.
+    With ``key`` (the client's run) the live replica is also kept in this process for the
+    next message of any client of that run, unless the process holds a newer one.
     """
     residuals = client.memory.residuals
     if residuals:
@@ -196,16 +303,24 @@ def save_state(state: RecordDict, client: WorkerState, *, key: Hashable | None =
     replica = client.replica
     if replica is None:
         return
-    journal_ok = (
+    chains = list(client.chains)
+    known = (  # the journal continues the saved history: its digests follow
         client.saved_version is not None
-        and len(client.journal) <= JOURNAL_LIMIT
         and client.saved_version + len(client.journal) == replica.version
+        and 1 <= len(chains) <= len(client.journal) + 1
+    )
+    steps: dict[int, tuple[str, bytes | None]] = {}  # version -> (digest, update producing it)
+    if known:
+        for version, payload in client.journal[len(chains) - 1 :]:
+            chains.append(extend_chain(chains[-1], version, payload))
+        payloads: dict[int, bytes] = dict(client.journal)
+        first = replica.version - len(chains) + 1
+        steps = {first + i: (c, payloads.get(first + i)) for i, c in enumerate(chains)}
+    journal_ok = (
+        known
+        and len(client.journal) <= JOURNAL_LIMIT
         and record_of(state, LAYOUT_KEY, ConfigRecord) is not None
     )
-    old_meta = record_of(state, META_KEY, ConfigRecord)
-    lineage = None if old_meta is None else old_meta.get("lineage")
-    if client.saved_version is None or not isinstance(lineage, str):
-        lineage = uuid.uuid4().hex  # a fresh replica or a server snapshot starts a lineage
     journal = record_of(state, JOURNAL_KEY, ArrayRecord)
     if not journal_ok or journal is None:
         if not journal_ok:
@@ -213,6 +328,12 @@ def save_state(state: RecordDict, client: WorkerState, *, key: Hashable | None =
             state[REPLICA_KEY] = ArrayRecord({BLOB_KEY: blob})
             state[LAYOUT_KEY] = layout
             client.saved_version, client.journal = replica.version, []
+            # Folding the journal into a snapshot changes neither the replica nor its
+            # digest; an unknown history starts from the snapshot's bytes.
+            if not known:
+                chains = [snapshot_chain(replica.version, array_to_bytes(blob))]
+                steps = {replica.version: (chains[0], None)}
+            chains = chains[-1:]
         journal = state[JOURNAL_KEY] = ArrayRecord()
     wanted = {f"v{v}": p for v, p in client.journal}
     for stale in [k for k in journal if k not in wanted]:
@@ -220,16 +341,45 @@ def save_state(state: RecordDict, client: WorkerState, *, key: Hashable | None =
     for name, payload in wanted.items():  # usually one new update a round
         if name not in journal:
             journal[name] = bytes_to_array(payload)
-    token = uuid.uuid4().hex
-    saved = replica.version if client.saved_version is None else client.saved_version
-    meta = ConfigRecord(
-        {"version": replica.version, "saved-version": saved, "token": token, "lineage": lineage}
-    )
+    saved = client.saved_version
+    assert saved is not None
+    meta = ConfigRecord({"version": replica.version, "saved-version": saved, "chains": chains})
     if client.compressor is not None:
         meta["compressor"] = client.compressor
     state[META_KEY] = meta
+    client.chains = chains
     if key is not None:
-        _live[key] = (token, lineage, client)
-        _live.move_to_end(key)
-        while len(_live) > _CACHE_SIZE:
-            _live.popitem(last=False)
+        _keep(key, replica, steps, client.history if isinstance(client, _Loaded) else {})
+
+
+def _keep(
+    key: Hashable,
+    replica: Replica,
+    steps: dict[int, tuple[str, bytes | None]],
+    inherited: dict[int, tuple[str, bytes | None]],
+) -> None:
+    """Keep ``replica`` as the run's live replica, unless this process holds a newer replica
+    of the same history (the latest saved wins otherwise: it is the likeliest next match).
+
+    ``steps`` is the replica's known history (version -> digest, update producing it),
+    ``inherited`` the history of the shared replica it was taken from (kept where the
+    digests agree).
+    """
+    held = _shared.get(key)
+    mine = steps[replica.version][0]
+    if (
+        held is not None
+        and held.replica.version > replica.version
+        and held.history.get(replica.version, ("", None))[0] == mine
+    ):
+        return
+    first = min(steps)
+    history = dict(inherited) if inherited.get(first, ("", None))[0] == steps[first][0] else {}
+    for v, (chain, payload) in steps.items():
+        history[v] = (chain, payload if payload is not None else history.get(v, ("", None))[1])
+    oldest = replica.version - JOURNAL_LIMIT
+    kept = {v: h for v, h in history.items() if oldest <= v <= replica.version}
+    _shared[key] = _Shared(replica, kept)
+    _shared.move_to_end(key)
+    while len(_shared) > _RUNS_KEPT:
+        _shared.popitem(last=False)

@@ -26,7 +26,7 @@ Client → server reply:
   minibatches (:mod:`fedddl.running_stats`).
 * ``"metrics"`` :class:`~flwr.app.MetricRecord`: ``num-examples``, ``loss``,
   ``model-version`` (and, with ``FEDDDL_CLIENT_TIMING=1``, the diagnostics ``client-s``,
-  handler seconds, and ``client-cached``, clients whose state the process holds).
+  handler seconds, and ``client-cached``, live replicas the process keeps).
 * ``"replica"`` :class:`~flwr.app.ConfigRecord`: ``fingerprint`` (the first
   :data:`~fedddl.sync.messages.FINGERPRINT_BYTES` bytes of the replica's sha256
   fingerprint). A client that cannot catch up sends only ``"metrics"`` with

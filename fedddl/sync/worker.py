@@ -58,6 +58,10 @@ class WorkerState:
     saved_version : int | None
         Version of the last full snapshot written to durable state (None: none that this
         replica descends from, e.g. after loading a server snapshot).
+    chains : list[str]
+        History digests of the replica at ``saved_version`` and after each journaled update
+        (kept by the persistence layer, ``clients.state``; the first ones when the journal
+        grew since).
     """
 
     replica: Replica | None = None
@@ -65,6 +69,7 @@ class WorkerState:
     memory: ResidualMemory = field(default_factory=ResidualMemory)
     journal: list[tuple[int, bytes]] = field(default_factory=list)
     saved_version: int | None = None
+    chains: list[str] = field(default_factory=list)
 
 
 def compute_pseudo_gradient(
