@@ -69,6 +69,20 @@ def test_fast_poll_grid_honours_timeout_and_rejects_bad_interval() -> None:
         FastPollGrid(_Silent(), poll_interval_s=0)  # type: ignore[arg-type]
 
 
+def test_fast_poll_grid_uses_its_wait_and_tells_each_push() -> None:
+    inner, waits, pushes = _ScriptedGrid(), [], []  # type: ignore[var-annotated]
+    grid = FastPollGrid(
+        inner,  # type: ignore[arg-type]
+        poll_interval_s=5.0,
+        wait=waits.append,  # returns at once, as a stored reply would end the wait
+        on_push=lambda: pushes.append(len(inner.pushed)),
+    )
+    replies = list(grid.send_and_receive(["a", "b"]))  # type: ignore[list-item]
+    assert len(replies) == 2 and inner.pulls == 2
+    assert pushes == [2]  # told once, after the messages were pushed
+    assert waits == [5.0]  # one wait between the two pulls, never a 5 s sleep
+
+
 def test_scaled_sleep_replaces_only_the_listed_durations(monkeypatch: pytest.MonkeyPatch) -> None:
     slept: list[float] = []
     monkeypatch.setattr(time, "sleep", slept.append)

@@ -1,4 +1,5 @@
-"""The simulation engine's message pickup runs at the shorter interval and is restored."""
+"""The simulation engine's message pickup runs at the shorter interval, wakes on a push,
+signals stored replies, and is restored."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ from typing import Any
 import pytest
 from flwr.server.superlink.fleet.vce import vce_api
 
+import fedddl.flower.message_pickup as message_pickup
 from fedddl.flower.message_pickup import (
     FLOWER_INTERVAL_S,
+    messages_pushed,
     pickup_interval_s,
     quick_message_pickup,
+    wait_for_replies,
 )
 
 
@@ -65,4 +69,59 @@ def test_unexpected_engine_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(vce_api, "add_messages_to_queue", other)
     with quick_message_pickup(10) as interval:
         assert interval == FLOWER_INTERVAL_S
-        assert vce_api.add_messages_to_queue is other
+        assert vce_api.add_messages_to_queue is other  # type: ignore[comparison-overlap]
+
+
+def test_a_push_wakes_the_pickup_loop_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(message_pickup, "FLOWER_INTERVAL_S", 30.0)
+    monkeypatch.setattr(message_pickup, "_MIN_INTERVAL_S", 30.0)  # idle looks 30 s apart
+    with quick_message_pickup(10) as interval:
+        assert interval == 30.0
+        state, queue, stop = _State(), Queue(), threading.Event()  # type: ignore[var-annotated]
+        state.pending[7] = []
+        thread = threading.Thread(
+            target=vce_api.add_messages_to_queue, args=(state, queue, {7: 0}, stop)
+        )
+        thread.start()
+        while state.looks < 1:  # the first look found nothing; the loop now waits 30 s
+            time.sleep(0.01)
+        state.pending[7] = ["pushed"]
+        start = time.perf_counter()
+        messages_pushed()
+        assert queue.get(timeout=10) == "pushed"
+        waited = time.perf_counter() - start
+        stop.set()
+        messages_pushed()  # end the wait so the thread sees the stop
+        thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert waited < 10  # woken by the push, not by the 30 s interval
+
+
+def test_a_stored_reply_ends_the_reply_wait() -> None:
+    class _Store:
+        def __init__(self) -> None:
+            self.stored: list[Any] = []
+
+        def store_message_res(self, message: Any) -> None:
+            self.stored.append(message)
+
+    original = vce_api.put_message_into_state
+    with quick_message_pickup(10):
+        store, queue, stop = _Store(), Queue(), threading.Event()  # type: ignore[var-annotated]
+        thread = threading.Thread(
+            target=vce_api.put_message_into_state, args=(store, queue, stop)
+        )
+        thread.start()
+        start = time.perf_counter()
+        queue.put("reply")
+        wait_for_replies(30.0)
+        waited = time.perf_counter() - start
+        stop.set()
+        thread.join(timeout=10)
+    assert store.stored == ["reply"] and waited < 10
+    assert vce_api.put_message_into_state is original
+    # Outside a simulation: nothing to wake, a plain sleep; a push is a no-op.
+    messages_pushed()
+    start = time.perf_counter()
+    wait_for_replies(0.05)
+    assert time.perf_counter() - start >= 0.04

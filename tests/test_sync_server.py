@@ -255,3 +255,24 @@ def test_error_feedback_goes_through_the_residual_memory() -> None:
     sent = decode_update(payload)
     for name, residual in state.memory.residuals.items():
         torch.testing.assert_close(residual, compensated[name] - sent[name])
+
+
+def test_a_dense_tensor_that_is_not_finite_in_float32_is_dropped() -> None:
+    # The logits travel dense (fp32 exemption); a float64 entry can hold values that are
+    # finite in float64 but overflow float32, where the server aggregates. No scale bound:
+    # nothing clamps them before the decoded values are checked.
+    cluster = Cluster(scale_bound=0)
+    replies = cluster.replies()
+    good = replies[0]
+    assert good.payload is not None
+    grads = decode_update(good.payload)
+    dense = frozenset(n for n, g in grads.items() if n.startswith("3."))
+    grads["3.bias"] = torch.full(grads["3.bias"].shape, 1e300, dtype=torch.float64)
+    payload = encode_update(grads, get_compressor("ternary-base3", seed=0), dense=dense)
+    bad = dataclasses.replace(good, payload=payload)
+    report = cluster.server.aggregate(1, [bad, *replies[1:]])
+    assert "'3.bias'" in report.dropped[bad.node_id]
+    assert "non-finite" in report.dropped[bad.node_id]
+    assert report.accepted == sorted(r.node_id for r in replies[1:])
+    assert cluster.server.shadow.version == 1
+    assert all(bool(torch.isfinite(p).all()) for p in cluster.server.shadow.model.parameters())

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from flwr.app import Message, MetricRecord, RecordDict
 from flwr.proto.node_pb2 import NodeInfo
@@ -205,14 +205,37 @@ class FastPollGrid(DelegatingGrid):
     inner : Grid
         The grid Flower passed to the ServerApp.
     poll_interval_s : float
-        Seconds between two ``pull_messages`` calls while replies are missing.
+        Seconds between two ``pull_messages`` calls while replies are missing (at most).
+    wait : Callable[[float], None]
+        Waits between two pulls, given ``poll_interval_s``: a plain sleep, or one that
+        returns early when a reply arrives (the simulation's
+        :func:`fedddl.flower.message_pickup.wait_for_replies`).
+    on_push : Callable[[], None] | None
+        Called after each push (the simulation's
+        :func:`fedddl.flower.message_pickup.messages_pushed`).
     """
 
-    def __init__(self, inner: Grid, poll_interval_s: float = DEFAULT_POLL_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        inner: Grid,
+        poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
+        *,
+        wait: Callable[[float], None] = time.sleep,
+        on_push: Callable[[], None] | None = None,
+    ) -> None:
         if not poll_interval_s > 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
         super().__init__(inner)
         self.poll_interval_s = float(poll_interval_s)
+        self.wait = wait
+        self.on_push = on_push
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """Push, then tell ``on_push`` (the simulation's pickup loop wakes at once)."""
+        ids = self.inner.push_messages(messages)
+        if self.on_push is not None:
+            self.on_push()
+        return ids
 
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
@@ -233,11 +256,12 @@ class FastPollGrid(DelegatingGrid):
                 break
             if deadline is not None and time.monotonic() >= deadline:
                 break
-            time.sleep(self.poll_interval_s)
+            self.wait(self.poll_interval_s)
         return replies
 
 
-#: Reply poll of the in-process simulation grid (Flower 1.42: a fixed 0.1 s).
+#: Longest wait between two reply pulls of the in-process simulation grid (Flower 1.42: a
+#: fixed 0.1 s); inside ``fedddl simulate`` a stored reply ends the wait sooner.
 SIMULATION_POLL_INTERVAL_S = 0.01
 
 
@@ -247,8 +271,10 @@ def fast_poll(grid: Grid) -> Grid:
     A deployment ``HttpGrid`` (3 s between pulls) gets a :class:`FastPollGrid` at
     :data:`DEFAULT_POLL_INTERVAL_S`; the simulation's ``InMemoryGrid`` (0.1 s between
     pulls, so a round that needs 0.11 s of work takes 0.2 s) gets one at
-    :data:`SIMULATION_POLL_INTERVAL_S` (a pull there is an in-memory lookup). Grids without
-    push/pull (the tests' in-process grid) keep their own delivery.
+    :data:`SIMULATION_POLL_INTERVAL_S` (a pull there is an in-memory lookup) that wakes the
+    engine's pickup on each push and pulls as soon as a reply is stored, when the
+    simulation runs inside :func:`fedddl.flower.message_pickup.quick_message_pickup`.
+    Grids without push/pull (the tests' in-process grid) keep their own delivery.
     """
     try:
         from flwr.superlink.grid.http_grid import HttpGrid
@@ -258,5 +284,9 @@ def fast_poll(grid: Grid) -> Grid:
     if isinstance(grid, HttpGrid):
         return FastPollGrid(grid)
     if isinstance(grid, InMemoryGrid):
-        return FastPollGrid(grid, SIMULATION_POLL_INTERVAL_S)
+        from fedddl.flower.message_pickup import messages_pushed, wait_for_replies
+
+        return FastPollGrid(
+            grid, SIMULATION_POLL_INTERVAL_S, wait=wait_for_replies, on_push=messages_pushed
+        )
     return grid

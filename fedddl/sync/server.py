@@ -526,7 +526,7 @@ class ReplicaServer:
                             scales[name] = _clip_ternary(scratch[name], bound)
                         else:  # a dense (fp32-exempt) tensor: its values, to +-bound
                             scratch[name].clamp_(-bound, bound)
-                    self.shadow.check_update(scratch)
+                    _check_finite(scratch, item.entries)
                 except (PayloadError, ReplicaError, StatisticsError) as err:
                     raise PayloadRejected(f"node {reply.node_id} payload rejected: {err}") from err
                 except Exception as err:  # a decoder bug on hostile input must not end the round
@@ -720,6 +720,25 @@ def _statistics_max_bytes(layers: Mapping[str, _BatchNorm]) -> int:
 def _costly(catch_up: CatchUp) -> bool:
     """A resync: a snapshot, or a replay of more than one update."""
     return catch_up.kind == "snapshot" or (catch_up.kind == "log" and len(catch_up.updates) > 1)
+
+
+def _check_finite(decoded: dict[str, torch.Tensor], entries: list[EntryHeader]) -> None:
+    """Reject non-finite values in float32 ``decoded`` (names and shapes already match).
+
+    Only the entries screening could not vouch for are read: a ternary entry decodes to
+    ``{-1, 0, 1} ×`` its finite float32 scale, and a dense float32 / float16 / bfloat16
+    entry whose ``peak`` was measured (finite) stays finite in float32; a dense entry
+    without a peak, or a wider dtype (float64 can exceed float32's range), is checked.
+
+    Raises
+    ------
+    ReplicaError
+        Naming the first tensor with a non-finite value.
+    """
+    for entry in entries:
+        if entry.codec is None and (entry.peak is None or entry.dtype == torch.float64):
+            if not bool(torch.isfinite(decoded[entry.name]).all()):
+                raise ReplicaError(f"update {entry.name!r} has non-finite values")
 
 
 def _clip_ternary(values: torch.Tensor, bound: float) -> float:
