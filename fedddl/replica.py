@@ -115,7 +115,9 @@ class Replica:
         self.optimizer = torch.optim.SGD(
             list(self._params.values()), lr=learning_rate, momentum=momentum, foreach=False
         )
-        self._has_batchnorm = bool(batchnorm_layers(model))
+        #: The model's BatchNorm layers that track running statistics (its structure is
+        #: fixed: the replica owns the model).
+        self.batchnorm = batchnorm_layers(model)
 
     # ------------------------------------------------------------------ updates
     def check_update(self, update: Mapping[str, torch.Tensor]) -> None:
@@ -157,9 +159,9 @@ class Replica:
                 f"update produces version {version} but the replica is at {self.version}"
             )
         self.check_update(update)
-        if statistics or self._has_batchnorm:
+        if statistics or self.batchnorm:
             try:
-                check_statistics(self.model, statistics or {})
+                check_statistics(self.model, statistics or {}, layers=self.batchnorm)
             except StatisticsError as err:
                 raise ReplicaError(f"update statistics: {err}") from err
         for name, param in self._params.items():
@@ -174,7 +176,7 @@ class Replica:
                 group["lr"] = self.learning_rate
         self.optimizer.zero_grad(set_to_none=True)
         if statistics:
-            apply_statistics(self.model, statistics)
+            apply_statistics(self.model, statistics, layers=self.batchnorm, checked=True)
         self.version = version
 
     def fingerprint(self) -> str:

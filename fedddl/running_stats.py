@@ -145,15 +145,22 @@ def record_batch_statistics(model: nn.Module) -> Iterator[BatchStatsRecorder]:
         recorder.close()
 
 
-def check_statistics(model: nn.Module, stats: Mapping[str, torch.Tensor]) -> None:
+def check_statistics(
+    model: nn.Module,
+    stats: Mapping[str, torch.Tensor],
+    *,
+    layers: Mapping[str, _BatchNorm] | None = None,
+) -> None:
     """Check that ``stats`` holds finite mean, non-negative var and a count >= 1 per layer.
+
+    ``layers`` is ``batchnorm_layers(model)`` when the caller keeps it (a replica does).
 
     Raises
     ------
     StatisticsError
         Naming the missing or unexpected entry, a shape mismatch or a bad value.
     """
-    layers = batchnorm_layers(model)
+    layers = batchnorm_layers(model) if layers is None else layers
     want = {_key(n, p) for n in layers for p in (MEAN, VAR, COUNT)}
     missing, extra = sorted(want - set(stats)), sorted(set(stats) - want)
     if missing or extra:
@@ -168,10 +175,32 @@ def check_statistics(model: nn.Module, stats: Mapping[str, torch.Tensor]) -> Non
         if tuple(count.shape) != (1,):
             raise StatisticsError(f"statistics count of {name!r} must be one value")
         for part, value in ((MEAN, mean), (VAR, var), (COUNT, count)):
-            if not value.is_floating_point() or not bool(torch.isfinite(value).all()):
+            if not value.is_floating_point():
+                raise StatisticsError(f"statistics {part} of {name!r} must be finite floats")
+    if _values_fine(stats, layers):
+        return
+    for name in layers:  # name the first bad layer
+        mean, var, count = (stats[_key(name, p)] for p in (MEAN, VAR, COUNT))
+        for part, value in ((MEAN, mean), (VAR, var), (COUNT, count)):
+            if not bool(torch.isfinite(value).all()):
                 raise StatisticsError(f"statistics {part} of {name!r} must be finite floats")
         if bool((var < 0).any()) or float(count) < 1:
             raise StatisticsError(f"statistics of {name!r}: var must be >= 0 and count >= 1")
+
+
+def _values_fine(stats: Mapping[str, torch.Tensor], layers: Mapping[str, _BatchNorm]) -> bool:
+    """Every value finite, every var >= 0, every count >= 1: a few fused reductions."""
+    if not layers:
+        return True
+    try:
+        by_part = {  # 1-D tensors (shapes checked); cat promotes mixed float dtypes
+            part: torch.cat([stats[_key(n, part)].detach() for n in layers])
+            for part in (MEAN, VAR, COUNT)
+        }
+    except RuntimeError:  # e.g. tensors on several devices: the caller checks one by one
+        return False
+    finite = all(bool(torch.isfinite(values).all()) for values in by_part.values())
+    return finite and bool((by_part[VAR] >= 0).all()) and bool((by_part[COUNT] >= 1).all())
 
 
 class StatisticsPool:
@@ -210,17 +239,28 @@ class StatisticsPool:
         return out
 
 
-def apply_statistics(model: nn.Module, stats: Mapping[str, torch.Tensor]) -> None:
-    """Move every BatchNorm layer's buffers by one batch with ``stats`` (checked first).
+def apply_statistics(
+    model: nn.Module,
+    stats: Mapping[str, torch.Tensor],
+    *,
+    layers: Mapping[str, _BatchNorm] | None = None,
+    checked: bool = False,
+) -> None:
+    """Move every BatchNorm layer's buffers by one batch with ``stats`` (checked first,
+    unless the caller has just checked them: ``checked``).
+
+    ``layers`` is ``batchnorm_layers(model)`` when the caller keeps it.
 
     Raises
     ------
     StatisticsError
         If ``stats`` does not fit the model (nothing is changed then).
     """
-    check_statistics(model, stats)
+    layers = batchnorm_layers(model) if layers is None else layers
+    if not checked:
+        check_statistics(model, stats, layers=layers)
     with torch.no_grad():
-        for name, module in batchnorm_layers(model).items():
+        for name, module in layers.items():
             assert module.running_mean is not None and module.running_var is not None
             tracked = module.num_batches_tracked
             if tracked is not None:

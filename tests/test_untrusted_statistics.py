@@ -6,6 +6,7 @@ entropy-coded message is read like a plain one."""
 from __future__ import annotations
 
 import math
+import re
 import struct
 import zlib
 
@@ -170,3 +171,35 @@ def test_the_scale_attack_on_batchnorm_statistics(attack: str, fate: str) -> Non
     assert 5 in (report.clipped if fate == "clipped" else report.dropped)
     bn = server.shadow.model.get_submodule("1")
     assert float(bn.running_mean.abs().max()) < 1.0
+
+
+def test_peaks_in_one_pass_equal_the_entry_by_entry_peaks() -> None:
+    from fedddl.sync.statistics_bound import _peaks
+
+    gen = torch.Generator().manual_seed(0)
+    keys = ["a.mean", "a.var", "a.count", "b.mean", "b.var", "b.count"]
+    sizes = [3, 3, 1, 5, 5, 1]
+    per_node = {
+        n: {k: torch.randn(s, generator=gen) * 10**n for k, s in zip(keys, sizes, strict=True)}
+        for n in NODES
+    }
+    per_node[3]["b.var"] = per_node[3]["b.var"].to(torch.bfloat16)  # numpy has no bfloat16
+    table = _peaks(per_node, list(NODES), keys)
+    for i, n in enumerate(NODES):
+        assert table[i] == [float(per_node[n][k].abs().max()) for k in keys]
+
+
+def test_check_statistics_names_the_bad_layer_after_the_fused_check() -> None:
+    from fedddl.running_stats import check_statistics
+
+    model = nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm1d(3))
+    good = {f"{layer}.{key[2:]}": v for layer in ("0", "1") for key, v in _stats().items()}
+    check_statistics(model, good)
+    for part, bad, why in (("mean", math.nan, "finite"), ("var", -1.0, ">= 0"),
+                           ("count", 0.5, ">= 1"), ("mean", math.inf, "finite")):
+        stats = dict(good)
+        shape = (1,) if part == "count" else (3,)
+        dtype = torch.float16 if part == "mean" else torch.float32  # mixed dtypes too
+        stats[f"1.{part}"] = torch.full(shape, bad, dtype=dtype)
+        with pytest.raises(StatisticsError, match=f"'1'.*{re.escape(why)}|{re.escape(why)}.*'1'"):
+            check_statistics(model, stats)

@@ -217,3 +217,19 @@ def test_rejects_implausible_counts_and_flags() -> None:
 
 def test_empty_update_round_trips() -> None:
     assert decode_update(encode_update({}, TernaryCompressor())) == {}
+
+
+def test_decode_limits_and_small_dense_tensors_are_independent_copies() -> None:
+    tensors = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+               "b": torch.tensor([1.5], dtype=torch.float64), "c": torch.zeros(0, 4)}
+    message = encode_update(tensors, IdentityCompressor())
+    with pytest.raises(PayloadError, match="exceeds the limit"):
+        decode_update(message, max_bytes=len(message) - 1)
+    with pytest.raises(PayloadError, match="at most 2 expected"):
+        decode_update(message, max_tensors=2)
+    decoded = decode_update(message, max_bytes=len(message), max_tensors=3)
+    for name, tensor in tensors.items():
+        assert decoded[name].dtype == tensor.dtype and torch.equal(decoded[name], tensor)
+    decoded["a"].add_(1)  # writable, aliasing neither the message nor the other tensors
+    assert torch.equal(decode_update(message)["a"], tensors["a"])
+    assert torch.equal(decoded["b"], tensors["b"])

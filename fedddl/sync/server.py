@@ -55,7 +55,6 @@ from fedddl.compression import (
     ResidualMemory,
     decode_update,
     is_ternary,
-    read_header,
 )
 from fedddl.compression import make_compressor as build_compressor
 from fedddl.compression.downlink import (
@@ -68,7 +67,7 @@ from fedddl.compression.downlink import (
 from fedddl.defenses import Defenses
 from fedddl.lr_decay import NO_DECAY, StepDecay
 from fedddl.replica import CatchUp, Replica, ReplicaError, UpdateLog, plan_catch_up
-from fedddl.running_stats import StatisticsError, batchnorm_layers, check_statistics
+from fedddl.running_stats import StatisticsError, check_statistics
 from fedddl.seeding import derive_seed
 from fedddl.sync import checkpoints
 from fedddl.sync.aggregation import Aggregate, Contribution
@@ -558,7 +557,7 @@ class ReplicaServer:
             Naming what is wrong with them.
         """
         what = f"node {reply.node_id} statistics rejected"
-        layers = batchnorm_layers(self.shadow.model)
+        layers = self.shadow.batchnorm
         if not layers:
             if reply.statistics is not None:
                 raise PayloadRejected(f"{what}: the model has no BatchNorm layer")
@@ -566,13 +565,12 @@ class ReplicaServer:
         if reply.statistics is None:
             raise PayloadRejected(f"{what}: the model has BatchNorm layers but none came")
         try:
-            read_header(
+            statistics = decode_update(
                 reply.statistics,
                 max_bytes=_statistics_max_bytes(layers),
                 max_tensors=3 * len(layers),
             )
-            statistics = decode_update(reply.statistics)
-            check_statistics(self.shadow.model, statistics)
+            check_statistics(self.shadow.model, statistics, layers=layers)
             check_statistics_range(statistics)
         except (PayloadError, StatisticsError) as err:
             raise PayloadRejected(f"{what}: {err}") from err

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from fedddl.running_stats import COUNT, MEAN, VAR, StatisticsError
@@ -48,13 +49,28 @@ def check_statistics_range(stats: Mapping[str, torch.Tensor]) -> None:
     StatisticsError
         Naming the entry and the limit.
     """
+    by_part: dict[str, list[tuple[str, torch.Tensor]]] = {}
     for key, value in stats.items():
-        part = key.rpartition(".")[2]
+        by_part.setdefault(key.rpartition(".")[2], []).append((key, value))
+    for part, items in by_part.items():
         limit = _LIMITS.get(part)
-        if limit is not None and value.numel() and float(value.abs().max()) > limit:
-            raise StatisticsError(
-                f"statistics {key!r} reach {float(value.abs().max()):.4g}, beyond {limit:g}"
-            )
+        if limit is None or _peak([v for _, v in items]) <= limit:
+            continue
+        for key, value in items:  # name the first entry beyond the limit
+            if value.numel() and float(value.abs().max()) > limit:
+                raise StatisticsError(
+                    f"statistics {key!r} reach {float(value.abs().max()):.4g}, beyond {limit:g}"
+                )
+
+
+def _peak(values: list[torch.Tensor]) -> float:
+    """The largest magnitude over ``values`` (checked finite), in one reduction when they
+    fit in one tensor."""
+    try:
+        flat = torch.cat([v.detach().reshape(-1) for v in values])
+    except RuntimeError:  # several devices
+        return max((float(v.abs().max()) for v in values if v.numel()), default=0.0)
+    return float(flat.abs().max()) if flat.numel() else 0.0
 
 
 def bound_statistics(
@@ -77,10 +93,12 @@ def bound_statistics(
     reasons: dict[int, str] = {}
     if factor <= 0 or not per_node:
         return reasons
-    keys = next(iter(per_node.values())).keys()
-    for key in keys:
+    keys = list(next(iter(per_node.values())).keys())
+    nodes = list(per_node)
+    table = _peaks(per_node, nodes, keys)  # table[i][j]: peak of node i's entry j
+    for j, key in enumerate(keys):
         part = key.rpartition(".")[2]
-        peaks = {node: float(stats[key].abs().max()) for node, stats in per_node.items()}
+        peaks = {node: table[i][j] for i, node in enumerate(nodes)}
         reference = lower_median(list(peaks.values()))
         bound = reference * (factor * factor if part == VAR else factor)
         for node, peak in peaks.items():
@@ -94,3 +112,27 @@ def bound_statistics(
                 node, f"node {node}: statistics {key!r} {peak:.4g} exceed the bound {bound:.4g}"
             )
     return reasons
+
+
+def _peaks(
+    per_node: Mapping[int, dict[str, torch.Tensor]], nodes: list[int], keys: list[str]
+) -> list[list[float]]:
+    """Each node's largest magnitude per entry: one pass over each node's values.
+
+    The entries have the same (checked, 1-D, non-empty) shapes at every node; anything
+    else (several devices, an empty entry) is measured entry by entry.
+    """
+    first = per_node[nodes[0]]
+    sizes = [first[key].numel() for key in keys]
+    starts = np.cumsum([0, *sizes[:-1]])
+    table = []
+    for node in nodes:
+        values = [per_node[node][key] for key in keys]
+        try:
+            if min(sizes) < 1 or [v.numel() for v in values] != sizes:
+                raise RuntimeError("entries of other sizes")
+            flat = torch.cat(values).abs().cpu().numpy()
+            table.append(np.maximum.reduceat(flat, starts).tolist())
+        except (RuntimeError, TypeError):  # several devices, other sizes: one by one
+            table.append([float(v.abs().max()) if v.numel() else 0.0 for v in values])
+    return table
