@@ -8,6 +8,8 @@ the state and reply.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from flwr.app import Context, Message
 
 from clients.shard import load_shard, partition_of
@@ -33,6 +35,8 @@ def compute_reply(message: Message, context: Context, cfg: AppConfig) -> ClientR
     pid, num = partition_of(context.node_config)
     model_fn = cfg.model_factory(device=resolve_device(cfg.device))
     key = context.run_id  # the run's clients in this process share one live replica
+    where = cfg.client_snapshot_dir
+    snapshot_dir = None if where in ("auto", "state") else Path(where)
     state = load_state(
         context.state,
         model_fn,
@@ -42,6 +46,7 @@ def compute_reply(message: Message, context: Context, cfg: AppConfig) -> ClientR
         lr_decay=cfg.lr_decay(),
         updates=None if instruction.snapshot is not None else dict(instruction.updates),
         target=instruction.model_version,
+        snapshot_dir=snapshot_dir,
     )
     reply = run_instruction(
         state,
@@ -52,5 +57,5 @@ def compute_reply(message: Message, context: Context, cfg: AppConfig) -> ClientR
         model_fn=model_fn,
         cfg=cfg,
     )
-    save_state(context.state, state, key=key)
+    save_state(context.state, state, key=key, snapshot_dir=snapshot_dir)
     return reply

@@ -51,10 +51,12 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from torch import nn
 
+from clients.snapshot_files import FILE_KEYS, read_snapshot, write_snapshot
 from fedddl.compression import PayloadError, ResidualMemory
 from fedddl.compression.downlink import decode_broadcast_parts
 from fedddl.flower.records import (
@@ -153,6 +155,7 @@ def load_state(
     lr_decay: StepDecay = NO_DECAY,
     updates: Mapping[int, bytes] | None = None,
     target: int | None = None,
+    snapshot_dir: Path | None = None,
 ) -> WorkerState:
     """Rebuild the client's state from ``context.state`` (empty → no replica).
 
@@ -160,6 +163,8 @@ def load_state(
     instead of deserializing when the history digests allow (see the module docstring);
     ``updates`` (version → encoded update, from the client's message) and ``target`` (the
     version the message asks for) allow adopting a replica that is ahead of the client.
+    ``snapshot_dir`` is where :func:`save_state` wrote the snapshot, if not in the records
+    (a missing or altered file: no replica, the client asks the server for a snapshot).
 
     Raises
     ------
@@ -171,7 +176,7 @@ def load_state(
     residuals = record_to_tensors(residual) if residual is not None else {}
     layout = record_of(state, LAYOUT_KEY, ConfigRecord)
     snapshot = record_of(state, REPLICA_KEY, ArrayRecord)
-    if meta is None or layout is None or snapshot is None:
+    if meta is None:
         return WorkerState(None, None, ResidualMemory(residuals))
     version, saved = meta.get("version"), meta.get("saved-version")
     if not isinstance(version, int) or not isinstance(saved, int) or not 0 <= saved <= version:
@@ -192,10 +197,16 @@ def load_state(
                 )  # fmt: skip
         if shared.replica.version == shared.version:  # untouched: back for the next client
             _shared.setdefault(key, shared)
+    if snapshot is not None:
+        blob = snapshot.get(BLOB_KEY)
+        if blob is None:
+            raise ValueError("context.state replica record has no 'blob' Array")
+    else:  # in a snapshot file, if this machine has it
+        data = read_snapshot(snapshot_dir, meta) if snapshot_dir is not None else None
+        blob = None if data is None else bytes_to_array(data)
+    if layout is None or blob is None:  # nothing to rebuild from: the server sends a snapshot
+        return WorkerState(None, name, ResidualMemory(residuals))
     replica = Replica(model_fn(), learning_rate, momentum, version=0, lr_decay=lr_decay)
-    blob = snapshot.get(BLOB_KEY)
-    if blob is None:
-        raise ValueError("context.state replica record has no 'blob' Array")
     replica.load_snapshot(unpack_tensors(blob, layout), saved)
     journal = _replay(replica, entries)
     kept = chains[: len(journal) + 1] if chains is not None else []
@@ -291,11 +302,19 @@ def _replay(replica: Replica, entries: list[tuple[int, bytes]]) -> list[tuple[in
     return applied
 
 
-def save_state(state: RecordDict, client: WorkerState, *, key: Hashable | None = None) -> None:
+def save_state(
+    state: RecordDict,
+    client: WorkerState,
+    *,
+    key: Hashable | None = None,
+    snapshot_dir: Path | None = None,
+) -> None:
     """Write ``client`` into ``context.state`` (see the module docstring for what is written).
 
     With ``key`` (the client's run) the live replica is also kept in this process for the
-    next message of any client of that run, unless the process holds a newer one.
+    next message of any client of that run, unless the process holds a newer one. With
+    ``snapshot_dir`` a snapshot is written there (:mod:`clients.snapshot_files`) instead of
+    into ``context.state``, which then names it.
     """
     residuals = client.memory.residuals
     if residuals:
@@ -322,10 +341,10 @@ def save_state(state: RecordDict, client: WorkerState, *, key: Hashable | None =
         and record_of(state, LAYOUT_KEY, ConfigRecord) is not None
     )
     journal = record_of(state, JOURNAL_KEY, ArrayRecord)
+    file_ref: dict[str, str] = {}
     if not journal_ok or journal is None:
         if not journal_ok:
             blob, layout = pack_tensors(replica.snapshot(copy=False))
-            state[REPLICA_KEY] = ArrayRecord({BLOB_KEY: blob})
             state[LAYOUT_KEY] = layout
             client.saved_version, client.journal = replica.version, []
             # Folding the journal into a snapshot changes neither the replica nor its
@@ -334,6 +353,12 @@ def save_state(state: RecordDict, client: WorkerState, *, key: Hashable | None =
                 chains = [snapshot_chain(replica.version, array_to_bytes(blob))]
                 steps = {replica.version: (chains[0], None)}
             chains = chains[-1:]
+            if snapshot_dir is None:
+                state[REPLICA_KEY] = ArrayRecord({BLOB_KEY: blob})
+            else:
+                file_ref = write_snapshot(snapshot_dir, replica.version, chains[0], blob.data)
+                if REPLICA_KEY in state:
+                    del state[REPLICA_KEY]
         journal = state[JOURNAL_KEY] = ArrayRecord()
     wanted = {f"v{v}": p for v, p in client.journal}
     for stale in [k for k in journal if k not in wanted]:
@@ -343,9 +368,13 @@ def save_state(state: RecordDict, client: WorkerState, *, key: Hashable | None =
             journal[name] = bytes_to_array(payload)
     saved = client.saved_version
     assert saved is not None
+    old_meta = record_of(state, META_KEY, ConfigRecord)
     meta = ConfigRecord({"version": replica.version, "saved-version": saved, "chains": chains})
     if client.compressor is not None:
         meta["compressor"] = client.compressor
+    if journal_ok and old_meta is not None:  # the snapshot did not change: nor its file
+        file_ref = {k: v for k, v in old_meta.items() if k in FILE_KEYS and isinstance(v, str)}
+    meta.update(file_ref)
     state[META_KEY] = meta
     client.chains = chains
     if key is not None:

@@ -102,6 +102,13 @@ class AppConfig:
         The first rounds send everything in fp32 (the ``identity`` compressor).
     update_log_size : int
         Encoded broadcast updates the server keeps for catch-up; further behind gets a snapshot.
+    client_snapshot_dir : str
+        Where a TernGrad-family client keeps the snapshot of its replica: ``"state"``, in
+        ``context.state``; a directory, in files there shared by the processes of one machine
+        (``context.state`` names the file; :mod:`clients.snapshot_files`); ``"auto"``: a
+        temporary directory per run in :func:`fedddl.flower.simulation.run` (``fedddl
+        simulate``: Flower ships ``context.state`` to the actor and back with every
+        message), ``"state"`` elsewhere (``flwr run``, deployments).
     min_available_nodes : int
         Nodes the server waits for before the first round.
     min_replies : int
@@ -179,6 +186,7 @@ class AppConfig:
     fp32_logits: bool = True
     fp32_warmup_rounds: int = 0
     update_log_size: int = 8
+    client_snapshot_dir: str = "auto"
     min_available_nodes: int = 2
     min_replies: int = 1
     eval_every: int = 1
@@ -231,6 +239,8 @@ class AppConfig:
             raise ValueError(f"dirichlet-alpha must be > 0, got {self.dirichlet_alpha}")
         if not self.clip_sigma > 0:
             raise ValueError(f"clip-sigma must be > 0, got {self.clip_sigma}")
+        if not self.client_snapshot_dir:
+            raise ValueError("client-snapshot-dir must be 'auto', 'state' or a directory")
         if self.update_log_size < 0:
             raise ValueError(f"update-log-size must be >= 0, got {self.update_log_size}")
         if self.min_available_nodes < 1:

@@ -70,6 +70,7 @@ RESUME_IGNORED_KEYS: frozenset[str] = frozenset(
         "checkpoint-keep",
         "checkpoint-allow-fresh-start",
         "checkpoint-key-file",
+        "client-snapshot-dir",
     }
 )
 #: Run-config keys that must match the checkpoint's for a resume: every other key (a key

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -245,3 +246,33 @@ def test_records_without_digests_are_rebuilt_then_digested(
     meta = state["fedddl.meta"]
     assert isinstance(meta, ConfigRecord) and meta["saved-version"] == 1
     assert isinstance(meta["chains"], list) and len(meta["chains"]) == 1
+
+
+def test_snapshots_in_files_keep_context_state_small_and_the_run_identical(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    full, _ = _run(monkeypatch, None)
+    files = CFG.replace(client_snapshot_dir=str(tmp_path))
+    monkeypatch.setattr(client_state, "_shared", OrderedDict())
+    grid = InlineGrid(make_client_app(files), 4, before=_Processes(3, seed=1).before)
+    counts = _Counts(monkeypatch)
+    many = run_server(grid, files)
+    # Three processes rebuilding from the files: the run of one process, bit for bit.
+    assert many["final_fingerprint"] == full["final_fingerprint"]
+    assert [r["bytes_down"] for r in many["rounds"]] == [r["bytes_down"] for r in full["rounds"]]
+    assert counts.builds <= 3
+    # One file per snapshot version, shared by the four clients (same state, same name).
+    names = sorted(p.name for p in tmp_path.glob("*.snap"))
+    assert 1 <= len(names) <= 3 and not list(tmp_path.glob("*.tmp")), names
+    for context in grid.contexts.values():
+        assert "fedddl.replica" not in context.state  # named, not carried
+        meta = context.state["fedddl.meta"]
+        assert isinstance(meta, ConfigRecord) and meta["snapshot-file"] in names
+    # A missing or altered file is no error: no replica (the client asks for a snapshot).
+    state = next(iter(grid.contexts.values())).state
+    assert _load(state, snapshot_dir=tmp_path).replica is not None
+    path = tmp_path / str(state["fedddl.meta"]["snapshot-file"])  # type: ignore[index]
+    path.write_bytes(path.read_bytes()[:-1] + b"x")
+    assert _load(state, snapshot_dir=tmp_path).replica is None
+    path.unlink()
+    assert _load(state, snapshot_dir=tmp_path).replica is None

@@ -18,9 +18,11 @@ several actors run at once; messages picked up every 10 ms instead of Flower's 0
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -140,32 +142,38 @@ def run(
     from fedddl.flower.message_pickup import quick_message_pickup
     from strategies.server_app import make_server_app
 
-    results: list[dict[str, Any]] = []
-    for attempt in range(1, _RAY_START_ATTEMPTS + 1):
-        try:
-            with quick_message_pickup(num_clients):
-                run_simulation(
-                    server_app=make_server_app(cfg, sink=results.append, progress=progress),
-                    client_app=make_client_app(cfg),
-                    num_supernodes=num_clients,
-                    backend_config={
-                        "client_resources": {
-                            "num_cpus": num_cpus_per_client,
-                            "num_gpus": num_gpus_per_client,
+    with contextlib.ExitStack() as cleanup:
+        if cfg.client_snapshot_dir == "auto":  # one machine: snapshot files (see AppConfig)
+            snapshots = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="fedddl-snap-"))
+            cfg = cfg.replace(client_snapshot_dir=snapshots)
+        results: list[dict[str, Any]] = []
+        for attempt in range(1, _RAY_START_ATTEMPTS + 1):
+            try:
+                with quick_message_pickup(num_clients):
+                    run_simulation(
+                        server_app=make_server_app(cfg, sink=results.append, progress=progress),
+                        client_app=make_client_app(cfg),
+                        num_supernodes=num_clients,
+                        backend_config={
+                            "client_resources": {
+                                "num_cpus": num_cpus_per_client,
+                                "num_gpus": num_gpus_per_client,
+                            },
+                            "init_args": {"logging_level": "warning", "log_to_driver": True},
                         },
-                        "init_args": {"logging_level": "warning", "log_to_driver": True},
-                    },
-                    verbose_logging=verbose_logging,
+                        verbose_logging=verbose_logging,
+                    )
+                break
+            except RuntimeError as error:
+                if attempt == _RAY_START_ATTEMPTS or not ray_failed_to_start(error):
+                    raise
+                # Ray's node start (raylet registration, a fixed 30 s wait) fails now and
+                # then on a loaded machine; nothing ran yet, so starting again loses nothing.
+                _stderr(
+                    f"fedddl simulate: Ray did not start ({_root_cause(error)}); starting again"
                 )
-            break
-        except RuntimeError as error:
-            if attempt == _RAY_START_ATTEMPTS or not ray_failed_to_start(error):
-                raise
-            # Ray's node start (raylet registration, a fixed 30 s wait) fails now and then
-            # on a loaded machine; nothing ran yet, so starting again loses nothing.
-            _stderr(f"fedddl simulate: Ray did not start ({_root_cause(error)}); starting again")
-            results.clear()
-            _shutdown_ray()
+                results.clear()
+                _shutdown_ray()
     if not results:
         raise RuntimeError("the simulation ended without results (see the ServerApp log above)")
     result = results[0]
