@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
@@ -105,9 +106,9 @@ class AppConfig:
     client_snapshot_dir : str
         Where a TernGrad-family client keeps the snapshot of its replica: ``"state"``, in
         ``context.state``; a directory, in files there shared by the processes of one machine
-        (``context.state`` names the file; :mod:`clients.snapshot_files`); ``"auto"``: a
-        temporary directory per run in :func:`fedddl.flower.simulation.run` (``fedddl
-        simulate``: Flower ships ``context.state`` to the actor and back with every
+        (an absolute path; ``context.state`` names the file; :mod:`clients.snapshot_files`);
+        ``"auto"``: a temporary directory per run in :func:`fedddl.flower.simulation.run`
+        (``fedddl simulate``: Flower ships ``context.state`` to the actor and back with every
         message), ``"state"`` elsewhere (``flwr run``, deployments).
     min_available_nodes : int
         Nodes the server waits for before the first round.
@@ -239,8 +240,13 @@ class AppConfig:
             raise ValueError(f"dirichlet-alpha must be > 0, got {self.dirichlet_alpha}")
         if not self.clip_sigma > 0:
             raise ValueError(f"clip-sigma must be > 0, got {self.clip_sigma}")
-        if not self.client_snapshot_dir:
-            raise ValueError("client-snapshot-dir must be 'auto', 'state' or a directory")
+        if self.client_snapshot_dir not in ("auto", "state") and not os.path.isabs(
+            self.client_snapshot_dir
+        ):
+            raise ValueError(
+                "client-snapshot-dir must be 'auto', 'state' or an absolute directory "
+                f"(every client process resolves it), got {self.client_snapshot_dir!r}"
+            )
         if self.update_log_size < 0:
             raise ValueError(f"update-log-size must be >= 0, got {self.update_log_size}")
         if self.min_available_nodes < 1:

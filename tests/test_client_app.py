@@ -176,6 +176,9 @@ def test_app_config_parses_run_config_and_names_bad_keys() -> None:
         AppConfig(fraction_train=0.0)
     with pytest.raises(ValueError, match="strategy must be"):
         AppConfig(strategy="fedsgd")
+    with pytest.raises(ValueError, match=r"client-snapshot-dir.*absolute"):
+        AppConfig(client_snapshot_dir="snapshots")
+    assert AppConfig(client_snapshot_dir="/tmp/snapshots").client_snapshot_dir == "/tmp/snapshots"
 
 
 def test_pyproject_app_config_is_valid() -> None:
