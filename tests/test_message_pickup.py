@@ -125,3 +125,44 @@ def test_a_stored_reply_ends_the_reply_wait() -> None:
     start = time.perf_counter()
     wait_for_replies(0.05)
     assert time.perf_counter() - start >= 0.04
+
+
+def test_a_serverapp_thread_outliving_the_simulation_stops_waiting() -> None:
+    """Flower leaves the ServerApp thread running when the engine fails to start; its wait
+    for replies must end with the simulation instead of polling forever."""
+    from fedddl.flower.grid import FastPollGrid
+    from fedddl.flower.message_pickup import current_session
+
+    class _Silent:  # replies never come
+        def push_messages(self, messages: Any) -> list[str]:
+            return ["m0"]
+
+        def pull_messages(self, message_ids: Any) -> list[Any]:
+            return []
+
+    outcome: list[BaseException | None] = []
+
+    def serverapp(grid: FastPollGrid) -> None:
+        try:
+            grid.send_and_receive(["message"])  # type: ignore[list-item]
+            outcome.append(None)
+        except RuntimeError as error:
+            outcome.append(error)
+
+    with quick_message_pickup(10):
+        session = current_session()
+        assert session is not None
+        grid = FastPollGrid(
+            _Silent(),  # type: ignore[arg-type]
+            poll_interval_s=30.0,
+            wait=session.wait_for_replies,
+            on_push=session.messages_pushed,
+            stopped=session.is_closed,
+        )
+        thread = threading.Thread(target=serverapp, args=(grid,))
+        thread.start()
+        time.sleep(0.2)
+        assert thread.is_alive()  # waiting for its reply
+    thread.join(timeout=10)  # the simulation returned: the wait ends at once
+    assert not thread.is_alive() and current_session() is None
+    assert isinstance(outcome[0], RuntimeError) and "1 replies were awaited" in str(outcome[0])

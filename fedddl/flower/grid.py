@@ -213,6 +213,9 @@ class FastPollGrid(DelegatingGrid):
     on_push : Callable[[], None] | None
         Called after each push (the simulation's
         :func:`fedddl.flower.message_pickup.messages_pushed`).
+    stopped : Callable[[], bool] | None
+        True once no reply can come any more (the simulation returned): the wait for
+        replies then raises ``RuntimeError`` instead of polling forever.
     """
 
     def __init__(
@@ -222,6 +225,7 @@ class FastPollGrid(DelegatingGrid):
         *,
         wait: Callable[[float], None] = time.sleep,
         on_push: Callable[[], None] | None = None,
+        stopped: Callable[[], bool] | None = None,
     ) -> None:
         if not poll_interval_s > 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s}")
@@ -229,6 +233,7 @@ class FastPollGrid(DelegatingGrid):
         self.poll_interval_s = float(poll_interval_s)
         self.wait = wait
         self.on_push = on_push
+        self.stopped = stopped
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         """Push, then tell ``on_push`` (the simulation's pickup loop wakes at once)."""
@@ -256,6 +261,10 @@ class FastPollGrid(DelegatingGrid):
                 break
             if deadline is not None and time.monotonic() >= deadline:
                 break
+            if self.stopped is not None and self.stopped():
+                raise RuntimeError(
+                    f"the simulation ended while {len(pending)} replies were awaited"
+                )
             self.wait(self.poll_interval_s)
         return replies
 
@@ -284,9 +293,16 @@ def fast_poll(grid: Grid) -> Grid:
     if isinstance(grid, HttpGrid):
         return FastPollGrid(grid)
     if isinstance(grid, InMemoryGrid):
-        from fedddl.flower.message_pickup import messages_pushed, wait_for_replies
+        from fedddl.flower.message_pickup import current_session
 
+        session = current_session()
+        if session is None:  # not inside fedddl simulate: plain polling
+            return FastPollGrid(grid, SIMULATION_POLL_INTERVAL_S)
         return FastPollGrid(
-            grid, SIMULATION_POLL_INTERVAL_S, wait=wait_for_replies, on_push=messages_pushed
+            grid,
+            SIMULATION_POLL_INTERVAL_S,
+            wait=session.wait_for_replies,
+            on_push=session.messages_pushed,
+            stopped=session.is_closed,
         )
     return grid

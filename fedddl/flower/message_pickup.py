@@ -17,7 +17,12 @@ Within :func:`quick_message_pickup`:
   node, about 40 µs a node here);
 * the thread that stores the client workers' replies (``vce_api.put_message_into_state``,
   Flower's body) signals each stored reply, and :func:`wait_for_replies` (the grid's wait
-  between two pulls) returns at that signal instead of sleeping its whole interval.
+  between two pulls) returns at that signal instead of sleeping its whole interval;
+* when the simulation returns, its :class:`PickupSession` is closed: a ServerApp thread
+  that outlived it (Flower leaves it running when the engine fails to start, e.g. Ray's
+  node start timing out, and ``fedddl simulate`` then starts again) stops waiting for
+  replies that cannot come (:class:`fedddl.flower.grid.FastPollGrid` raises), instead of
+  polling forever and keeping the process from exiting.
 
 Outside it (or if Flower's module does not have the expected functions, logged) nothing is
 changed: the notifications do nothing and the wait is a plain sleep.
@@ -34,7 +39,14 @@ from logging import WARNING
 from queue import Empty, Queue
 from typing import Any
 
-__all__ = ["messages_pushed", "pickup_interval_s", "quick_message_pickup", "wait_for_replies"]
+__all__ = [
+    "PickupSession",
+    "current_session",
+    "messages_pushed",
+    "pickup_interval_s",
+    "quick_message_pickup",
+    "wait_for_replies",
+]
 
 #: Flower 1.42's interval between two looks for new messages.
 FLOWER_INTERVAL_S = 0.1
@@ -45,11 +57,49 @@ _STORE_PARAMETERS = ("state", "queue", "f_stop")
 _lock = threading.Lock()
 
 
-class _Signals:
-    """The two events of the running simulation (None: no simulation patched)."""
+class PickupSession:
+    """The signals of one simulation run inside :func:`quick_message_pickup`.
 
-    pushed: threading.Event | None = None
-    stored: threading.Event | None = None
+    ``pushed`` wakes the engine's pickup loop, ``stored`` the grid's wait for replies, and
+    ``closed`` is set when the simulation has returned (normally or not): a ServerApp thread
+    that outlived it (Flower leaves it running when the engine fails to start) must stop
+    waiting for replies that can no longer come.
+    """
+
+    def __init__(self) -> None:
+        self.pushed = threading.Event()
+        self.stored = threading.Event()
+        self.closed = threading.Event()
+
+    def messages_pushed(self) -> None:
+        """Wake the pickup loop now."""
+        self.pushed.set()
+
+    def wait_for_replies(self, timeout: float) -> None:
+        """Wait ``timeout`` seconds, or until a reply is stored or the simulation ended."""
+        self.stored.wait(timeout)
+        if not self.closed.is_set():
+            self.stored.clear()  # a reply stored after the caller's pull and before this
+            # line is pulled by the caller's next pull anyway: no reply lost, only a wake-up
+
+    def is_closed(self) -> bool:
+        """Whether the simulation has returned."""
+        return self.closed.is_set()
+
+    def close(self) -> None:
+        """Mark the simulation ended and wake every waiter."""
+        self.closed.set()
+        self.stored.set()
+        self.pushed.set()
+
+
+class _Current:
+    session: PickupSession | None = None
+
+
+def current_session() -> PickupSession | None:
+    """The session of the simulation running in this process (None outside one)."""
+    return _Current.session
 
 
 def pickup_interval_s(num_nodes: int) -> float:
@@ -59,9 +109,9 @@ def pickup_interval_s(num_nodes: int) -> float:
 
 def messages_pushed() -> None:
     """Wake the pickup loop of the running simulation now (no-op outside one)."""
-    event = _Signals.pushed
-    if event is not None:
-        event.set()
+    session = _Current.session
+    if session is not None:
+        session.messages_pushed()
 
 
 def wait_for_replies(timeout: float) -> None:
@@ -69,13 +119,11 @@ def wait_for_replies(timeout: float) -> None:
 
     Outside a simulation patched by :func:`quick_message_pickup`, a plain sleep.
     """
-    event = _Signals.stored
-    if event is None:
+    session = _Current.session
+    if session is None:
         time.sleep(timeout)
-        return
-    event.wait(timeout)
-    event.clear()  # a reply stored after the caller's pull and before this line is
-    # pulled by the caller's next pull anyway: clearing loses no reply, only a wake-up
+    else:
+        session.wait_for_replies(timeout)
 
 
 @contextmanager
@@ -106,7 +154,8 @@ def quick_message_pickup(num_nodes: int) -> Iterator[float]:
         yield FLOWER_INTERVAL_S
         return
     interval = pickup_interval_s(num_nodes)
-    pushed, stored = threading.Event(), threading.Event()
+    session = PickupSession()
+    pushed, stored = session.pushed, session.stored
 
     def add_messages_to_queue(
         state: Any, queue: Queue[Any], nodes_mapping: Any, f_stop: threading.Event
@@ -132,10 +181,11 @@ def quick_message_pickup(num_nodes: int) -> Iterator[float]:
     with _lock:
         vce_api.add_messages_to_queue = add_messages_to_queue
         vce_api.put_message_into_state = put_message_into_state
-        _Signals.pushed, _Signals.stored = pushed, stored
+        _Current.session = session
         try:
             yield interval
         finally:
             vce_api.add_messages_to_queue = pickup
             vce_api.put_message_into_state = store
-            _Signals.pushed = _Signals.stored = None
+            _Current.session = None
+            session.close()
