@@ -124,10 +124,10 @@ class _Shared:
 
     replica: Replica
     history: dict[int, tuple[str, bytes | None]]
-    version: int = -1
+    version: int = field(init=False)  # the replica's version when kept (``history`` ends there)
 
     def __post_init__(self) -> None:
-        self.version = self.replica.version  # the version ``history`` ends at
+        self.version = self.replica.version
 
 
 @dataclass

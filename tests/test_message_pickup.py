@@ -14,10 +14,10 @@ from flwr.server.superlink.fleet.vce import vce_api
 import fedddl.flower.message_pickup as message_pickup
 from fedddl.flower.message_pickup import (
     FLOWER_INTERVAL_S,
-    messages_pushed,
+    PickupSession,
+    current_session,
     pickup_interval_s,
     quick_message_pickup,
-    wait_for_replies,
 )
 
 
@@ -77,6 +77,8 @@ def test_a_push_wakes_the_pickup_loop_at_once(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(message_pickup, "_MIN_INTERVAL_S", 30.0)  # idle looks 30 s apart
     with quick_message_pickup(10) as interval:
         assert interval == 30.0
+        session = current_session()
+        assert session is not None
         state, queue, stop = _State(), Queue(), threading.Event()  # type: ignore[var-annotated]
         state.pending[7] = []
         thread = threading.Thread(
@@ -87,11 +89,11 @@ def test_a_push_wakes_the_pickup_loop_at_once(monkeypatch: pytest.MonkeyPatch) -
             time.sleep(0.01)
         state.pending[7] = ["pushed"]
         start = time.perf_counter()
-        messages_pushed()
+        session.messages_pushed()
         assert queue.get(timeout=10) == "pushed"
         waited = time.perf_counter() - start
         stop.set()
-        messages_pushed()  # end the wait so the thread sees the stop
+        session.messages_pushed()  # end the wait so the thread sees the stop
         thread.join(timeout=10)
     assert not thread.is_alive()
     assert waited < 10  # woken by the push, not by the 30 s interval
@@ -107,6 +109,8 @@ def test_a_stored_reply_ends_the_reply_wait() -> None:
 
     original = vce_api.put_message_into_state
     with quick_message_pickup(10):
+        session = current_session()
+        assert isinstance(session, PickupSession)
         store, queue, stop = _Store(), Queue(), threading.Event()  # type: ignore[var-annotated]
         thread = threading.Thread(
             target=vce_api.put_message_into_state, args=(store, queue, stop)
@@ -114,24 +118,23 @@ def test_a_stored_reply_ends_the_reply_wait() -> None:
         thread.start()
         start = time.perf_counter()
         queue.put("reply")
-        wait_for_replies(30.0)
+        session.wait_for_replies(30.0)
         waited = time.perf_counter() - start
         stop.set()
         thread.join(timeout=10)
     assert store.stored == ["reply"] and waited < 10
     assert vce_api.put_message_into_state is original
-    # Outside a simulation: nothing to wake, a plain sleep; a push is a no-op.
-    messages_pushed()
+    # The simulation returned: no session any more, and its waits end at once.
+    assert current_session() is None and session.is_closed()
     start = time.perf_counter()
-    wait_for_replies(0.05)
-    assert time.perf_counter() - start >= 0.04
+    session.wait_for_replies(30.0)
+    assert time.perf_counter() - start < 10
 
 
 def test_a_serverapp_thread_outliving_the_simulation_stops_waiting() -> None:
     """Flower leaves the ServerApp thread running when the engine fails to start; its wait
     for replies must end with the simulation instead of polling forever."""
     from fedddl.flower.grid import FastPollGrid
-    from fedddl.flower.message_pickup import current_session
 
     class _Silent:  # replies never come
         def push_messages(self, messages: Any) -> list[str]:

@@ -551,9 +551,7 @@ def read_header(
     PayloadError
         For any malformed header, or a message over ``max_bytes`` / ``max_tensors``.
     """
-    view = _as_view(data)
-    if max_bytes is not None and len(view) > max_bytes:
-        raise PayloadError(f"message of {len(view)} bytes exceeds the limit of {max_bytes}")
+    view = _as_view(data, max_bytes)
     body, entries, offset, sizes = _validated_entries(view, max_tensors)
     out = []
     for (name, dtype, kind, shape, scale), size in zip(entries, sizes, strict=True):
@@ -579,13 +577,17 @@ def _dense_peak(name: str, raw: memoryview, dtype: torch.dtype) -> float:
     return peak
 
 
-def _as_view(data: bytes | bytearray | memoryview) -> memoryview:
+def _as_view(data: bytes | bytearray | memoryview, max_bytes: int | None = None) -> memoryview:
+    """``data`` as a flat byte view, refused when longer than ``max_bytes``."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise PayloadError(f"expected bytes, got {type(data).__name__}")
     try:
-        return memoryview(data).cast("B")
+        view = memoryview(data).cast("B")
     except TypeError as error:
         raise PayloadError(f"data is not a flat byte buffer: {error}") from None
+    if max_bytes is not None and len(view) > max_bytes:
+        raise PayloadError(f"message of {len(view)} bytes exceeds the limit of {max_bytes}")
+    return view
 
 
 def _validated_entries(
@@ -713,10 +715,7 @@ def decode_update(
         (the message names the problem); nothing is returned or written
         partially decoded.
     """
-    view = _as_view(data)
-    if max_bytes is not None and len(view) > max_bytes:
-        raise PayloadError(f"message of {len(view)} bytes exceeds the limit of {max_bytes}")
-    view, entries, data_start, sizes = _validated_entries(view, max_tensors)
+    view, entries, data_start, sizes = _validated_entries(_as_view(data, max_bytes), max_tensors)
     if out is not None:
         _check_out(out, entries)
     raws: list[torch.Tensor] = []

@@ -209,10 +209,10 @@ class FastPollGrid(DelegatingGrid):
     wait : Callable[[float], None]
         Waits between two pulls, given ``poll_interval_s``: a plain sleep, or one that
         returns early when a reply arrives (the simulation's
-        :func:`fedddl.flower.message_pickup.wait_for_replies`).
+        :meth:`fedddl.flower.message_pickup.PickupSession.wait_for_replies`).
     on_push : Callable[[], None] | None
         Called after each push (the simulation's
-        :func:`fedddl.flower.message_pickup.messages_pushed`).
+        :meth:`fedddl.flower.message_pickup.PickupSession.messages_pushed`).
     stopped : Callable[[], bool] | None
         True once no reply can come any more (the simulation returned): the wait for
         replies then raises ``RuntimeError`` instead of polling forever.

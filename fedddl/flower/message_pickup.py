@@ -11,13 +11,14 @@ point every time).
 Within :func:`quick_message_pickup`:
 
 * the pickup loop (Flower's loop body, unchanged) runs as soon as the ServerApp pushes
-  messages (:func:`messages_pushed`, called by :class:`fedddl.flower.grid.FastPollGrid`),
-  and otherwise every :func:`pickup_interval_s` (10 ms up to 10 nodes, growing with the
-  federation to Flower's 0.1 s at 100 nodes: each look scans the message store once per
-  node, about 40 µs a node here);
+  messages (:meth:`PickupSession.messages_pushed`, called by
+  :class:`fedddl.flower.grid.FastPollGrid`), and otherwise every :func:`pickup_interval_s`
+  (10 ms up to 10 nodes, growing with the federation to Flower's 0.1 s at 100 nodes: each
+  look scans the message store once per node, about 40 µs a node here);
 * the thread that stores the client workers' replies (``vce_api.put_message_into_state``,
-  Flower's body) signals each stored reply, and :func:`wait_for_replies` (the grid's wait
-  between two pulls) returns at that signal instead of sleeping its whole interval;
+  Flower's body) signals each stored reply, and :meth:`PickupSession.wait_for_replies`
+  (the grid's wait between two pulls) returns at that signal instead of sleeping its whole
+  interval;
 * when the simulation returns, its :class:`PickupSession` is closed: a ServerApp thread
   that outlived it (Flower leaves it running when the engine fails to start, e.g. Ray's
   node start timing out, and ``fedddl simulate`` then starts again) stops waiting for
@@ -25,28 +26,21 @@ Within :func:`quick_message_pickup`:
   polling forever and keeping the process from exiting.
 
 Outside it (or if Flower's module does not have the expected functions, logged) nothing is
-changed: the notifications do nothing and the wait is a plain sleep.
+changed: :func:`current_session` is None and :func:`fedddl.flower.grid.fast_poll` polls
+plainly.
 """
 
 from __future__ import annotations
 
 import inspect
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from logging import WARNING
 from queue import Empty, Queue
 from typing import Any
 
-__all__ = [
-    "PickupSession",
-    "current_session",
-    "messages_pushed",
-    "pickup_interval_s",
-    "quick_message_pickup",
-    "wait_for_replies",
-]
+__all__ = ["PickupSession", "current_session", "pickup_interval_s", "quick_message_pickup"]
 
 #: Flower 1.42's interval between two looks for new messages.
 FLOWER_INTERVAL_S = 0.1
@@ -105,25 +99,6 @@ def current_session() -> PickupSession | None:
 def pickup_interval_s(num_nodes: int) -> float:
     """Seconds between two looks for new messages (when no push wakes the loop sooner)."""
     return max(_MIN_INTERVAL_S, min(FLOWER_INTERVAL_S, _PER_NODE_S * num_nodes))
-
-
-def messages_pushed() -> None:
-    """Wake the pickup loop of the running simulation now (no-op outside one)."""
-    session = _Current.session
-    if session is not None:
-        session.messages_pushed()
-
-
-def wait_for_replies(timeout: float) -> None:
-    """Wait ``timeout`` seconds, or until the running simulation stores a reply.
-
-    Outside a simulation patched by :func:`quick_message_pickup`, a plain sleep.
-    """
-    session = _Current.session
-    if session is None:
-        time.sleep(timeout)
-    else:
-        session.wait_for_replies(timeout)
 
 
 @contextmanager

@@ -7,8 +7,10 @@ ClientApp (``clients``), which nothing else below the command line may import to
 ``flwr run`` but binds the :class:`~fedddl.app_config.AppConfig` through factories
 (``flwr.simulation.run_simulation`` gives apps an empty ``run_config``), runs the
 simulation with the Ray backend (``num_cpus_per_client`` CPUs per client, so
-several actors run at once; messages picked up every 10 ms instead of Flower's 0.1 s,
-:mod:`fedddl.flower.message_pickup`) and returns the results dict the ServerApp produced::
+several actors run at once; messages picked up when pushed and replies pulled when stored
+instead of on Flower's 0.1 s ticks, :mod:`fedddl.flower.message_pickup`; client replica
+snapshots in a temporary directory unless ``client-snapshot-dir`` says otherwise,
+:mod:`clients.snapshot_files`) and returns the results dict the ServerApp produced::
 
     {"config": {...}, "initial": {...},
      "rounds": [{"round", "accuracy", "loss", "bytes_up", "bytes_down",

@@ -128,11 +128,14 @@ def _peaks(
     table = []
     for node in nodes:
         values = [per_node[node][key] for key in keys]
-        try:
-            if min(sizes) < 1 or [v.numel() for v in values] != sizes:
-                raise RuntimeError("entries of other sizes")
-            flat = torch.cat(values).abs().cpu().numpy()
-            table.append(np.maximum.reduceat(flat, starts).tolist())
-        except (RuntimeError, TypeError):  # several devices, other sizes: one by one
-            table.append([float(v.abs().max()) if v.numel() else 0.0 for v in values])
+        row = None
+        if min(sizes) >= 1 and [v.numel() for v in values] == sizes:
+            try:
+                flat = torch.cat(values).abs().cpu().numpy()
+                row = np.maximum.reduceat(flat, starts).tolist()
+            except (RuntimeError, TypeError):  # several devices, no numpy dtype (bfloat16)
+                row = None
+        if row is None:  # one by one
+            row = [float(v.abs().max()) if v.numel() else 0.0 for v in values]
+        table.append(row)
     return table
