@@ -16,6 +16,7 @@ from fedddl.compression import (
     decode_update,
     encode_update,
     get_compressor,
+    make_compressor,
     register_compressor,
 )
 
@@ -66,3 +67,14 @@ def test_identity_is_bit_exact(dtype: torch.dtype) -> None:
     assert torch.equal(out.view(torch.uint8), g.view(torch.uint8))
     with pytest.raises(ValueError, match="scale"):
         IdentityCompressor().compress(g, scale=1.0)
+
+
+def test_make_compressor_follows_a_name_registered_again() -> None:
+    register_compressor("swap-test", TernaryCompressor, overwrite=True)
+    first = make_compressor("swap-test", seed=7, clip_sigma=1.5)
+    assert isinstance(first, TernaryCompressor) and first.seed == 7 and first.clip_sigma == 1.5
+    register_compressor("swap-test", _HalfCompressor, overwrite=True)  # not ternary now
+    assert isinstance(make_compressor("swap-test", seed=7, clip_sigma=1.5), _HalfCompressor)
+    register_compressor("swap-test", TernaryCompressor, overwrite=True)
+    again = make_compressor("swap-test", seed=8, clip_sigma=2.0)
+    assert isinstance(again, TernaryCompressor) and again.seed == 8

@@ -120,6 +120,19 @@ def test_running_mean_does_not_overflow_and_is_unchanged_below_the_threshold() -
     # Dense contributions (no scales) are measured instead.
     dense = [Contribution(ClientReply(i, 0, "", b"", 1, 0.0), g) for i, (g, _) in enumerate(grads)]
     torch.testing.assert_close(running_mean(dense).gradient["w"], want)
+    # Dense contributions with peaks known from screening use them (no measuring pass), so
+    # a known peak that is too low would miss the overflow: the peak is what decides.
+    known = [
+        Contribution(ClientReply(i, 0, "", b"", 1, 0.0), g, peaks={"w": huge})
+        for i, (g, _) in enumerate(grads)
+    ]
+    torch.testing.assert_close(running_mean(known).gradient["w"], want)
+    assert known[0].peak("w") == huge
+    understated = [
+        Contribution(ClientReply(i, 0, "", b"", 1, 0.0), g, peaks={"w": 1.0})
+        for i, (g, _) in enumerate(grads)
+    ]
+    assert not bool(torch.isfinite(running_mean(understated).gradient["w"]).all())
     # Ordinary values: the float32 accumulation, bit for bit.
     small = _ternary_grads(5)
     total = {k: torch.zeros(v.shape) for k, v in small[0][0].items()}

@@ -227,7 +227,7 @@ def test_expected_shape_first_without_decoding_or_allocating() -> None:
     spec = PayloadSpec.for_model(model, get_compressor("ternary-base3"))
     grads = {n: torch.randn_like(p) for n, p in model.named_parameters()}
     good = encode_update(grads, TernaryCompressor(seed=0, codec="base3"))
-    assert [e.name for e in spec.check(good, 1)] == list(grads)
+    assert [e.name for e in spec.check(good, 1).entries] == list(grads)
     from fedddl.sync.errors import PayloadRejected
 
     with pytest.raises(PayloadRejected, match="uses codec '2bit', expected base3"):

@@ -116,3 +116,80 @@ def test_out_must_be_a_mapping_of_float_tensors() -> None:
         decode_update(data, out=[torch.zeros(8)])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="dtype"):
         decode_update(data, out={"w": torch.zeros(8, dtype=torch.int32)})
+
+
+@pytest.mark.parametrize("codec", ["2bit", "base3"])
+def test_small_messages_decode_to_the_same_bits_as_the_batched_path(
+    codec: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fedddl.compression import packing
+
+    update = _update()
+    data = encode_update(update, TernaryCompressor(seed=4, min_numel=11, codec=codec))
+    small_out = decode_update(data, out=_buffers(update))
+    small_new = decode_update(data)
+    monkeypatch.setattr(packing, "_SMALL_NUMEL", 0)  # every message takes the batched path
+    batched_out = decode_update(data, out=_buffers(update))
+    batched_new = decode_update(data)
+    for name in update:
+        torch.testing.assert_close(small_out[name], batched_out[name], rtol=0, atol=0)
+        torch.testing.assert_close(small_new[name], batched_new[name], rtol=0, atol=0)
+        torch.testing.assert_close(small_new[name], small_out[name], rtol=0, atol=0)
+
+
+def test_an_opened_message_decodes_without_reading_its_header_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fedddl.compression import open_message, wire
+
+    update = _update()
+    data = encode_update(update, TernaryCompressor(seed=5, min_numel=11))
+    reads = []
+    parse = wire._parse_entries
+    monkeypatch.setattr(wire, "_parse_entries", lambda *a: reads.append(1) or parse(*a))
+    message = open_message(data, dense_peaks=True)
+    assert [e.name for e in message.entries] == list(update)
+    decoded = message.decode(out=_buffers(update))
+    assert len(reads) == 1  # bytes cannot change: the header read at opening serves
+    reference = decode_update(data)
+    for name in update:
+        torch.testing.assert_close(decoded[name], reference[name], rtol=0, atol=0)
+
+
+def test_a_mutable_message_is_checked_again_and_refused_if_its_header_changed() -> None:
+    from fedddl.compression import open_message
+
+    update = {"w": torch.linspace(-1, 1, 40)}
+    data = bytearray(encode_update(update, TernaryCompressor(seed=6)))
+    message = open_message(data)
+    scale_at = data.index(struct.pack("<f", message.entries[0].scale))
+    data[scale_at : scale_at + 4] = struct.pack("<f", 1e6)  # a larger scale than screened
+    data[-4:] = struct.pack("<I", zlib.crc32(bytes(data[:-4])))
+    out = {"w": torch.zeros(40)}
+    with pytest.raises(PayloadError, match="header changed after it was read"):
+        message.decode(out=out)
+    data[-1] ^= 1  # and a corrupted one fails its checksum
+    with pytest.raises(PayloadError, match="CRC"):
+        message.decode(out=out)
+    assert not bool(out["w"].any())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_dense_peaks_are_the_largest_magnitude_and_refuse_non_finite_values(
+    dtype: torch.dtype,
+) -> None:
+    from fedddl.compression import read_header
+
+    values = torch.tensor([0.25, -3.5, 2.0, -0.0], dtype=dtype)
+    (entry,) = read_header(encode_update({"b": values}, IdentityCompressor()), dense_peaks=True)
+    assert entry.peak == 3.5
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        poisoned = values.clone()
+        poisoned[2] = bad
+        message = bytearray(encode_update({"b": values}, IdentityCompressor()))
+        raw = poisoned.view(torch.uint8).numpy().tobytes()
+        start = len(message) - 4 - len(raw)
+        message[start:-4] = raw
+        message[-4:] = struct.pack("<I", zlib.crc32(bytes(message[:-4])))
+        with pytest.raises(PayloadError, match="non-finite"):
+            read_header(bytes(message), dense_peaks=True)

@@ -34,8 +34,10 @@ from fedddl.compression.wire import (
     FORMAT_VERSION,
     MAGIC,
     EntryHeader,
+    OpenedMessage,
     decode_update,
     encode_update,
+    open_message,
     read_header,
 )
 
@@ -53,6 +55,7 @@ __all__ = [
     "Memory",
     "MessageBuffer",
     "NoMemory",
+    "OpenedMessage",
     "Payload",
     "PayloadError",
     "ResidualMemory",
@@ -67,6 +70,7 @@ __all__ = [
     "local_scales",
     "make_compressor",
     "max_scales",
+    "open_message",
     "pack_codes",
     "read_header",
     "register_compressor",

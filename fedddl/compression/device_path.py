@@ -30,6 +30,7 @@ the scale one or a few float32 steps apart.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -117,9 +118,15 @@ class DeviceGenerators:
     def __init__(self, seed: int) -> None:
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-        words = np.random.SeedSequence([seed, _SEED_TAG]).generate_state(1, np.uint64)
-        self.seed = int(words[0]) & ((1 << 63) - 1)
+        self._base = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+
+    @functools.cached_property
+    def seed(self) -> int:
+        """The torch seed of every device's generator, derived from the compressor's seed
+        (when first needed: a compressor that never leaves the CPU does not pay for it)."""
+        words = np.random.SeedSequence([self._base, _SEED_TAG]).generate_state(1, np.uint64)
+        return int(words[0]) & ((1 << 63) - 1)
 
     def get(self, device: torch.device) -> torch.Generator | None:
         """The generator of ``device`` (seeded with :attr:`seed` when first asked for);

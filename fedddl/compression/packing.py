@@ -50,12 +50,15 @@ __all__ = [
     "PACK_SLACK",
     "codes_per_byte",
     "find_invalid_codes",
+    "invalid_codes",
+    "is_small",
     "pack_codes",
     "pack_codes_into",
     "pack_padded_codes",
     "packed_size",
     "unpack_codes",
     "unpack_codes_batch",
+    "unpack_codes_into",
     "unpack_codes_new",
 ]
 
@@ -111,6 +114,7 @@ PACK_SLACK = 8
 _UNPACK_CHUNK = 1 << 16  # packed bytes per gather (1 MiB of float32 out): small intp index
 _TOUCH_SEGMENT = 1 << 18  # packed bytes per first-touch segment (4-5 MiB of float32 out)
 _PAGE = 4096
+_SMALL_NUMEL = 1 << 16  # values: fewer are unpacked on the calling thread, in one pass
 # (w * _GATHER_2BIT) >> 24 of a little-endian uint32 of 4 codes c0..c3 is
 # c0 + c1<<2 + c2<<4 + c3<<6: each code lands in its own slot of the top byte,
 # every cross term lands in distinct lower slots or overflows, so no carries.
@@ -190,11 +194,15 @@ def find_invalid_codes(packed: torch.Tensor, numel: int, codec: str) -> str | No
     codes_per_byte(codec)
     if packed.dtype != torch.uint8 or packed.dim() != 1:
         return f"packed codes must be 1-D uint8, got {packed.dim()}-D {packed.dtype}"
-    if packed.numel() != packed_size(numel, codec):
-        return f"{packed.numel()} code bytes for {numel} values (need {packed_size(numel, codec)})"
+    return invalid_codes(packed.numpy(), numel, codec)
+
+
+def invalid_codes(source: np.ndarray[Any, Any], numel: int, codec: str) -> str | None:
+    """:func:`find_invalid_codes` of packed codes in a 1-D ``uint8`` numpy array."""
+    if source.size != packed_size(numel, codec):
+        return f"{source.size} code bytes for {numel} values (need {packed_size(numel, codec)})"
     if numel == 0:
         return None
-    source = packed.numpy()
     last = int(source[-1])
     if codec == "2bit":
         whole = source.size // 8 * 8
@@ -253,6 +261,25 @@ def unpack_codes(
     return out
 
 
+def is_small(numel: int) -> bool:
+    """Whether unpacking ``numel`` values runs on the calling thread in one numpy pass:
+    fewer than ``2**16`` values, unless the compiled kernels are forced on
+    (:func:`fedddl.compression.jit.set_jit`)."""
+    return numel < _SMALL_NUMEL and jit_kernels(numel) is None
+
+
+def unpack_codes_into(
+    source: np.ndarray[Any, Any], numel: int, scale: float, codec: str, target: np.ndarray[Any, Any]
+) -> None:
+    """:func:`unpack_codes` of valid packed codes (a 1-D ``uint8`` numpy array of
+    :func:`packed_size` bytes) into a 1-D float32 numpy array of ``numel`` values, on the
+    calling thread with numpy: for small tensors, where batching over the threads costs
+    more than it saves."""
+    gather = _Gather(source, numel, scale, codec, target)
+    gather.run(0, gather.whole)
+    gather.finish()
+
+
 def unpack_codes_new(items: Sequence[tuple[torch.Tensor, int, float, str]]) -> list[torch.Tensor]:
     """:func:`unpack_codes` of several tensors into new tensors, in one threaded pass.
 
@@ -262,13 +289,21 @@ def unpack_codes_new(items: Sequence[tuple[torch.Tensor, int, float, str]]) -> l
     page of a segment (one byte per 4 KiB page) while the pool decodes the
     segments it has already touched.
     """
+    if is_small(sum(numel for _, numel, _, _ in items)):  # one thread, no pipelining
+        small = []
+        for packed, numel, scale, codec in items:
+            _check_packed(packed, numel, codec)
+            values = np.empty(numel, dtype=np.float32)
+            unpack_codes_into(packed.numpy(), numel, scale, codec, values)
+            small.append(torch.from_numpy(values))
+        return small
     targets = []
     gathers = []
     for packed, numel, scale, codec in items:
         _check_packed(packed, numel, codec)
         target: np.ndarray[Any, Any] = np.empty(numel, dtype=np.float32)
         targets.append(torch.from_numpy(target))
-        gathers.append(_Gather(packed, numel, scale, codec, target))
+        gathers.append(_Gather(packed.numpy(), numel, scale, codec, target))
     batch = _Batch(gathers)
     run_pipelined(batch.touch, batch.run, batch.total, _TOUCH_SEGMENT)
     batch.finish()
@@ -298,7 +333,7 @@ def unpack_codes_batch(
                 f"out must be a contiguous 1-D float32 CPU tensor of {numel} elements, got "
                 f"{tuple(out.shape)} {out.dtype} on {out.device}"
             )
-        gathers.append(_Gather(packed, numel, scale, codec, out.detach().numpy()))
+        gathers.append(_Gather(packed.numpy(), numel, scale, codec, out.detach().numpy()))
     batch = _Batch(gathers)
     run_in_chunks(batch.run, batch.total, _UNPACK_CHUNK)
     batch.finish()
@@ -316,14 +351,14 @@ class _Gather:
 
     def __init__(
         self,
-        packed: torch.Tensor,
+        source: np.ndarray[Any, Any],
         numel: int,
         scale: float,
         codec: str,
         target: np.ndarray[Any, Any],
     ) -> None:
         per = codes_per_byte(codec)
-        self.source: np.ndarray[Any, Any] = packed.numpy()
+        self.source = source
         self.target, self.numel, self.per = target, numel, per
         self.whole = numel // per  # bytes whose every slot holds a value
         self.codec = codec

@@ -20,6 +20,8 @@ __all__ = [
 CompressorFactory = Callable[..., Compressor]
 
 _REGISTRY: dict[str, CompressorFactory] = {}
+#: Whether each registered name builds a ternary compressor, read from its first build.
+_TERNARY: dict[str, bool] = {}
 
 
 def register_compressor(name: str, factory: CompressorFactory, *, overwrite: bool = False) -> None:
@@ -37,6 +39,7 @@ def register_compressor(name: str, factory: CompressorFactory, *, overwrite: boo
     if name in _REGISTRY and not overwrite:
         raise ValueError(f"compressor {name!r} is already registered")
     _REGISTRY[name] = factory
+    _TERNARY.pop(name, None)
 
 
 def get_compressor(name: str, **kwargs: Any) -> Compressor:
@@ -75,10 +78,15 @@ def make_compressor(name: str, *, seed: int, clip_sigma: float) -> Compressor:
         raise ValueError(
             f"unknown compressor {name!r}; registered: {', '.join(available_compressors())}"
         )
-    compressor = get_compressor(name)
-    if compressor.ternary:
+    ternary = _TERNARY.get(name)
+    if ternary is None:  # the capability, from one build with the factory's defaults
+        compressor = get_compressor(name)
+        ternary = _TERNARY[name] = bool(compressor.ternary)
+        if not ternary:
+            return compressor
+    if ternary:
         return get_compressor(name, seed=seed, clip_sigma=clip_sigma)
-    return compressor
+    return get_compressor(name)
 
 
 def is_ternary(name: str) -> bool:

@@ -62,9 +62,12 @@ from fedddl.compression.memory import Memory
 from fedddl.compression.message_buffer import MessageBuffer, NonFiniteValues
 from fedddl.compression.packing import (
     find_invalid_codes,
+    invalid_codes,
+    is_small,
     packed_size,
     unpack_codes,
     unpack_codes_batch,
+    unpack_codes_into,
     unpack_codes_new,
 )
 from fedddl.compression.parallel import copy_bytes, copy_pieces, crc32_threaded
@@ -86,8 +89,10 @@ __all__ = [
     "MAX_NDIM",
     "MAX_TENSORS",
     "EntryHeader",
+    "OpenedMessage",
     "decode_update",
     "encode_update",
+    "open_message",
     "read_header",
 ]
 
@@ -389,7 +394,12 @@ class _Reader:
         return view
 
     def unpack(self, layout: struct.Struct, what: str, *args: object) -> tuple[Any, ...]:
-        return layout.unpack(self.take(layout.size, what, *args))
+        start = self.pos
+        stop = start + layout.size
+        if stop > self.end:
+            raise PayloadError(f"truncated header while reading {what.format(*args)}")
+        self.pos = stop
+        return layout.unpack_from(self.data, start)
 
 
 _NAME_LENGTH = struct.Struct("<H")
@@ -551,30 +561,112 @@ def read_header(
     PayloadError
         For any malformed header, or a message over ``max_bytes`` / ``max_tensors``.
     """
+    return open_message(
+        data, max_bytes=max_bytes, max_tensors=max_tensors, dense_peaks=dense_peaks
+    ).entries
+
+
+def open_message(
+    data: bytes | bytearray | memoryview,
+    *,
+    max_bytes: int | None = None,
+    max_tensors: int | None = None,
+    dense_peaks: bool = False,
+) -> OpenedMessage:
+    """Read and check a message's header (as :func:`read_header`) and keep what decoding
+    needs, so that a receiver who checks the entries first decodes without reading the
+    header a second time (:meth:`OpenedMessage.decode`).
+
+    Raises
+    ------
+    PayloadError
+        As :func:`read_header`.
+    """
     view = _as_view(data, max_bytes)
-    body, entries, offset, sizes = _validated_entries(view, max_tensors)
-    out = []
-    for (name, dtype, kind, shape, scale), size in zip(entries, sizes, strict=True):
+    body, parsed, start, sizes = _validated_entries(view, max_tensors)
+    entries = []
+    offset = start
+    for (name, dtype, kind, shape, scale), size in zip(parsed, sizes, strict=True):
         peak: float | None = scale
         if kind == _KIND_DENSE:
             peak = _dense_peak(name, body[offset : offset + size], dtype) if dense_peaks else None
         codec = None if kind == _KIND_DENSE else _CODEC_OF_KIND[kind]
-        out.append(EntryHeader(name, dtype, codec, shape, scale, size, peak))
+        entries.append(EntryHeader(name, dtype, codec, shape, scale, size, peak))
         offset += size
-    return out
+    # an entropy-coded body is our own decompressed copy; other bytes objects are immutable
+    stable = body is not view or isinstance(data, bytes)
+    return OpenedMessage(entries, _Layout(body, parsed, start, sizes), data, stable)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a checked message's data lies: the body, the parsed entries, where their data
+    starts in the body and each entry's data size."""
+
+    body: memoryview
+    entries: list[tuple[str, torch.dtype, int, tuple[int, ...], float]]
+    start: int
+    sizes: list[int]
+
+
+class OpenedMessage:
+    """A message whose header was read and checked by :func:`open_message`.
+
+    Attributes
+    ----------
+    entries : list[EntryHeader]
+        The message's entries, in message order.
+    """
+
+    def __init__(
+        self,
+        entries: list[EntryHeader],
+        layout: _Layout,
+        data: bytes | bytearray | memoryview,
+        stable: bool,
+    ) -> None:
+        self.entries = entries
+        self._layout, self._data, self._stable = layout, data, stable
+
+    def decode(self, out: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Decode the message, as :func:`decode_update` (``out`` likewise).
+
+        A message given as ``bytes`` (immutable), or entropy-coded (decompressed into a
+        buffer of its own), is decoded from the header read at opening; one in a mutable
+        buffer is checked again first, and refused if its header changed since.
+
+        Raises
+        ------
+        PayloadError
+            As :func:`decode_update`; nothing is written partially decoded.
+        """
+        layout = self._layout
+        if not self._stable:
+            layout = _Layout(*_validated_entries(_as_view(self._data)))
+            if layout.entries != self._layout.entries:
+                raise PayloadError("the message's header changed after it was read")
+        return _decode(layout, out)
 
 
 def _dense_peak(name: str, raw: memoryview, dtype: torch.dtype) -> float:
     """The largest magnitude of a dense entry's values (raw bytes of ``dtype``)."""
     if not len(raw):
         return 0.0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we copy out of it
-        values = torch.frombuffer(raw, dtype=torch.uint8).clone().view(dtype)
-    peak = float(values.abs().max())
+    numpy_dtype = _NUMPY_DTYPES.get(dtype)
+    if numpy_dtype is not None:  # read in place, two reductions, no copy
+        values = np.frombuffer(raw, dtype=numpy_dtype)
+        peak = max(float(values.max()), -float(values.min()))
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only buffer: copied out of
+            tensor = torch.frombuffer(raw, dtype=torch.uint8).clone().view(dtype)
+        peak = float(tensor.abs().max())
     if not math.isfinite(peak):
         raise PayloadError(f"tensor {name!r}: non-finite value")
     return peak
+
+
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
 
 
 def _as_view(data: bytes | bytearray | memoryview, max_bytes: int | None = None) -> memoryview:
@@ -715,9 +807,16 @@ def decode_update(
         (the message names the problem); nothing is returned or written
         partially decoded.
     """
-    view, entries, data_start, sizes = _validated_entries(_as_view(data, max_bytes), max_tensors)
+    return _decode(_Layout(*_validated_entries(_as_view(data, max_bytes), max_tensors)), out)
+
+
+def _decode(layout: _Layout, out: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """Decode the data of a checked message (see :func:`decode_update`)."""
+    view, entries, data_start, sizes = layout.body, layout.entries, layout.start, layout.sizes
     if out is not None:
         _check_out(out, entries)
+        if _fits_small_path(entries, out):
+            return _decode_small(layout, out)
     raws: list[torch.Tensor] = []
     offset = data_start
     with warnings.catch_warnings():
@@ -777,4 +876,49 @@ def decode_update(
         new_entries, unpack_codes_new(new_items), strict=True
     ):
         result[name] = flat.to(dtype).reshape(shape)
+    return result
+
+
+def _fits_small_path(
+    entries: list[tuple[str, torch.dtype, int, tuple[int, ...], float]],
+    out: Mapping[str, torch.Tensor],
+) -> bool:
+    """Whether every entry goes straight into a float32 CPU buffer, and the message is small
+    (:func:`~fedddl.compression.packing.is_small`): ternary entries of any dtype (their
+    values are computed in float32) and float32 dense ones."""
+    numel = 0
+    for name, dtype, kind, shape, _ in entries:
+        target = out[name]
+        if unpacks_on_device(target) or not _is_direct_target(target, torch.float32):
+            return False
+        if kind == _KIND_DENSE and dtype != torch.float32:
+            return False
+        numel += math.prod(shape)
+    return is_small(numel)
+
+
+def _decode_small(layout: _Layout, out: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """:func:`_decode` of a small message into float32 CPU buffers: every code checked
+    first, then each entry written in place with numpy (the same values as the batched
+    path: a ternary value is ``scale × code`` in float32, a dense one its bytes)."""
+    sources = []
+    offset = layout.start
+    for (name, _, kind, shape, _), size in zip(layout.entries, layout.sizes, strict=True):
+        source = np.frombuffer(layout.body, dtype=np.uint8, count=size, offset=offset)
+        offset += size
+        if kind != _KIND_DENSE:
+            problem = invalid_codes(source, math.prod(shape), _CODEC_OF_KIND[kind])
+            if problem is not None:
+                raise PayloadError(f"tensor {name!r}: {problem}")
+        sources.append(source)
+    # everything is validated: from here on nothing can fail on the message's account
+    result = {}
+    for (name, _, kind, shape, scale), source in zip(layout.entries, sources, strict=True):
+        target = out[name]
+        flat = target.detach().reshape(-1).numpy()
+        if kind == _KIND_DENSE:
+            flat.view(np.uint8)[:] = source
+        else:
+            unpack_codes_into(source, math.prod(shape), scale, _CODEC_OF_KIND[kind], flat)
+        result[name] = target
     return result

@@ -53,18 +53,24 @@ class Contribution:
     statistics : Mapping[str, torch.Tensor] | None
         The reply's checked BatchNorm input statistics (:mod:`fedddl.running_stats`);
         None for models without BatchNorm.
+    peaks : Mapping[str, float] | None
+        Known largest magnitudes of dense tensors (measured when the payload was screened);
+        a dense tensor without one is measured when needed.
     """
 
     reply: ClientReply
     gradient: Mapping[str, torch.Tensor]
     scales: Mapping[str, float] | None = None
     statistics: Mapping[str, torch.Tensor] | None = None
+    peaks: Mapping[str, float] | None = None
 
     def peak(self, name: str) -> float:
-        """The largest magnitude of tensor ``name`` (its scale, or measured when dense)."""
-        scale = None if self.scales is None else self.scales.get(name)
-        if scale is not None:
-            return float(scale)
+        """The largest magnitude of tensor ``name`` (its scale, its known peak, or measured)."""
+        known = None if self.scales is None else self.scales.get(name)
+        if known is None and self.peaks is not None:
+            known = self.peaks.get(name)
+        if known is not None:
+            return float(known)
         values = self.gradient[name]
         return float(values.abs().max()) if values.numel() else 0.0
 

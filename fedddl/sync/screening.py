@@ -9,7 +9,8 @@ most :attr:`PayloadSpec.max_bytes` bytes in all; the fp32-exempt parameters
 (:mod:`fedddl.sync.exemptions`) are always dense.
 
 :meth:`PayloadSpec.check` reads the header with
-:func:`fedddl.compression.wire.read_header`, which rejects a message over ``max_bytes`` or
+:func:`fedddl.compression.wire.open_message` (the checks of
+:func:`~fedddl.compression.wire.read_header`), which rejects a message over ``max_bytes`` or
 declaring more tensors than the model has *before* parsing its entries, so the work one
 reply can cause is proportional to the model, not to what the client declares (a message of
 65,536 one-element tensors is rejected from its 18-byte prefix). No ternary value is decoded
@@ -29,9 +30,10 @@ from fedddl.compression import (
     Compressor,
     EntryHeader,
     IdentityCompressor,
+    OpenedMessage,
     PayloadError,
     TernaryCompressor,
-    read_header,
+    open_message,
 )
 from fedddl.sync.errors import PayloadRejected
 
@@ -97,13 +99,14 @@ class PayloadSpec:
             codecs, dense_below = None, None
         return cls(shapes, codecs, dense_below, max_bytes, frozenset(dense) & set(shapes))
 
-    def check(self, payload: bytes, node: int) -> list[EntryHeader]:
+    def check(self, payload: bytes, node: int) -> OpenedMessage:
         """Read ``payload``'s header and check it against the spec; decode nothing.
 
         Returns
         -------
-        list[EntryHeader]
-            The entries, in message order.
+        OpenedMessage
+            The message: its entries (in message order) and, for the accepted reply, its
+            decoding without a second reading of the header.
 
         Raises
         ------
@@ -112,11 +115,12 @@ class PayloadSpec:
         """
         what = f"node {node} payload rejected"
         try:
-            entries = read_header(
+            message = open_message(
                 payload, max_bytes=self.max_bytes, max_tensors=len(self.shapes), dense_peaks=True
             )
         except PayloadError as err:
             raise PayloadRejected(f"{what}: {err}") from err
+        entries = message.entries
         names = [entry.name for entry in entries]
         if sorted(names) != sorted(self.shapes):
             missing = sorted(set(self.shapes) - set(names))
@@ -132,7 +136,7 @@ class PayloadSpec:
                     f"{what}: tensor {entry.name!r} has shape {entry.shape}, the model's is {want}"
                 )
             self._check_kind(entry, what)
-        return entries
+        return message
 
     def _check_kind(self, entry: EntryHeader, what: str) -> None:
         if entry.name in self.dense_names:

@@ -51,6 +51,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from fedddl.checkpoint import CheckpointError, ServerCheckpoint
 from fedddl.compression import (
     EntryHeader,
+    OpenedMessage,
     PayloadError,
     ResidualMemory,
     decode_update,
@@ -110,9 +111,14 @@ class _Screened:
     bound) and its checked BatchNorm statistics."""
 
     reply: ClientReply
-    entries: list[EntryHeader]
+    message: OpenedMessage
     clip: dict[str, float]
     statistics: dict[str, torch.Tensor] | None = None
+
+    @property
+    def entries(self) -> list[EntryHeader]:
+        """The payload's entries, in message order."""
+        return self.message.entries
 
 
 class ReplicaServer:
@@ -436,11 +442,11 @@ class ReplicaServer:
             self._drop(report, item.node_id, item.error)
             return None
         error: ReplyError | None = None
-        entries: list[EntryHeader] = []
+        message: OpenedMessage | None = None
         statistics: dict[str, torch.Tensor] | None = None
         try:
             self.validate_reply(item, self.nodes.expected_version(item.node_id))
-            entries = self._check_payload(item)
+            message = self._check_payload(item)
             statistics = self._statistics_of(item)
         except ReplyError as err:
             error = err
@@ -453,14 +459,15 @@ class ReplicaServer:
         if error is not None:
             self._drop(report, item.node_id, error)
             return None
+        assert message is not None  # _check_payload returned
         report.note_fingerprint_checked(item.node_id)
-        return _Screened(item, entries, {}, statistics)
+        return _Screened(item, message, {}, statistics)
 
-    def _check_payload(self, reply: ClientReply) -> list[EntryHeader]:
-        """The payload's header, checked against the model (and the reply's local scales)."""
+    def _check_payload(self, reply: ClientReply) -> OpenedMessage:
+        """The payload, its header checked against the model (and the reply's local scales)."""
         if reply.payload is None:
             raise PayloadRejected(f"node {reply.node_id} payload rejected: no payload")
-        entries = self._payload_spec().check(reply.payload, reply.node_id)
+        message = self._payload_spec().check(reply.payload, reply.node_id)
         size = (len(self.param_names),)
         if (
             reply.scales is not None
@@ -471,7 +478,7 @@ class ReplicaServer:
                 f"node {reply.node_id} payload rejected: {tuple(reply.scales.shape)} local "
                 f"scales for {len(self.param_names)} tensors"
             )
-        return entries
+        return message
 
     def _payload_spec(self) -> PayloadSpec:
         """What this round's replies must look like (the round's compressor, the exemptions)."""
@@ -501,7 +508,7 @@ class ReplicaServer:
             report.clipped[node] = why
             logger.log(WARNING, "clipping reply: %s", why)
         return [
-            _Screened(item.reply, item.entries, verdict.clip.get(item.reply.node_id, {}),
+            _Screened(item.reply, item.message, verdict.clip.get(item.reply.node_id, {}),
                       item.statistics)
             for item in kept
         ]  # fmt: skip
@@ -515,16 +522,18 @@ class ReplicaServer:
         scratch = self._decode_buffers()
         for item in screened:
             reply = item.reply
-            assert reply.payload is not None
             scales = {e.name: e.scale for e in item.entries if e.codec is not None}
+            peaks = _dense_peaks(item.entries)
             try:
                 try:
-                    decode_update(reply.payload, out=scratch)
+                    item.message.decode(out=scratch)
                     for name, bound in item.clip.items():
                         if name in scales:
                             scales[name] = _clip_ternary(scratch[name], bound)
                         else:  # a dense (fp32-exempt) tensor: its values, to +-bound
                             scratch[name].clamp_(-bound, bound)
+                            if name in peaks:
+                                peaks[name] = min(peaks[name], bound)
                     _check_finite(scratch, item.entries)
                 except (PayloadError, ReplicaError, StatisticsError) as err:
                     raise PayloadRejected(f"node {reply.node_id} payload rejected: {err}") from err
@@ -535,7 +544,9 @@ class ReplicaServer:
             except PayloadRejected as err:
                 self._drop(report, reply.node_id, err)
                 continue
-            yield Contribution(reply, scratch, scales=scales, statistics=item.statistics)
+            yield Contribution(
+                reply, scratch, scales=scales, statistics=item.statistics, peaks=peaks
+            )
 
     def _decode_buffers(self) -> dict[str, torch.Tensor]:
         """One float32 CPU buffer per trainable parameter, reused by every reply and round."""
@@ -599,7 +610,9 @@ class ReplicaServer:
         """Encode, decode, apply and log the aggregate; raises before changing the shadow."""
         payload, report.downlink_format = self.encode_downlink(server_round, aggregate)
         payload = add_statistics(payload, aggregate.statistics)
-        update, statistics = decode_broadcast_parts(payload)  # what every client will apply
+        # what every client will apply, decoded into the reply buffers (free by now; the
+        # replica copies what it applies)
+        update, statistics = decode_broadcast_parts(payload, out=self._decode_buffers())
         self.shadow.apply_update(update, self.shadow.version + 1, statistics)
         self.log.append(self.shadow.version, payload)
         self.fingerprints[self.shadow.version] = self.shadow.fingerprint()
@@ -738,6 +751,16 @@ def _check_finite(decoded: dict[str, torch.Tensor], entries: list[EntryHeader]) 
         vouched = entry.codec is not None or measured
         if not vouched and not bool(torch.isfinite(decoded[entry.name]).all()):
             raise ReplicaError(f"update {entry.name!r} has non-finite values")
+
+
+def _dense_peaks(entries: list[EntryHeader]) -> dict[str, float]:
+    """The measured largest magnitudes of the dense entries whose float32 decoding keeps
+    them (float64 values are rounded to float32, which can raise a magnitude)."""
+    return {
+        e.name: e.peak
+        for e in entries
+        if e.codec is None and e.peak is not None and e.dtype != torch.float64
+    }
 
 
 def _clip_ternary(values: torch.Tensor, bound: float) -> float:
