@@ -91,6 +91,15 @@ def test_workers_and_shadow_stay_bit_identical_and_learn() -> None:
     assert cluster.server.reports[-1].loss < cluster.server.reports[0].loss
 
 
+def test_the_arrival_order_of_the_replies_does_not_change_the_model() -> None:
+    forward, backward = Cluster(), Cluster()  # fp32 logits: float sums depend on their order
+    for _ in range(3):
+        forward.server.aggregate(forward.round + 1, forward.replies())
+        backward.server.aggregate(backward.round + 1, backward.replies()[::-1])
+    assert forward.server.shadow.fingerprint() == backward.server.shadow.fingerprint()
+    assert forward.server.reports[-1].loss == backward.server.reports[-1].loss
+
+
 def test_catch_up_by_log_and_by_snapshot() -> None:
     cluster = Cluster(update_log_size=2)
     cluster.step()

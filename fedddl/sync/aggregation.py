@@ -84,7 +84,7 @@ class Aggregate:
     gradient : dict[str, torch.Tensor]
         The combined gradient every replica applies (after downlink encoding).
     contributors : list[ClientReply]
-        The replies that went into it, in arrival order.
+        The replies that went into it, in the order they were combined (node order).
     code_sums : dict[str, torch.Tensor] | None
         Exact sums of the contributors' ternary codes (int32, flat) at the shared scales,
         when every contribution was ternary at those scales; else None.
@@ -101,7 +101,7 @@ class Aggregate:
 def running_mean(
     contributions: Iterable[Contribution], code_scales: Mapping[str, float] | None = None
 ) -> Aggregate:
-    """Element-wise mean of the contributions in float32, accumulated in arrival order.
+    """Element-wise mean of the contributions in float32, accumulated in the order given.
 
     Parameters
     ----------
