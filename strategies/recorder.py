@@ -124,7 +124,6 @@ class RoundRecorder:
 
     def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         """Record round ``server_round`` (0 = initial model) and return its metrics."""
-        self.grid.settle()  # replies a strategy left unread still count
         wall = time.perf_counter() - self._mark
         global_round = server_round + self.round_offset
         if server_round == 0:

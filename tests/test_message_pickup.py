@@ -147,7 +147,7 @@ def test_a_serverapp_thread_outliving_the_simulation_stops_waiting() -> None:
 
     def serverapp(grid: FastPollGrid) -> None:
         try:
-            list(grid.send_and_receive(["message"]))  # type: ignore[list-item]
+            grid.send_and_receive(["message"])  # type: ignore[list-item]
             outcome.append(None)
         except RuntimeError as error:
             outcome.append(error)

@@ -4,11 +4,10 @@
 it wraps; a wrapper overrides only what it changes:
 
 * :class:`CountingGrid` counts the serialized bytes and messages each way and the time
-  from sending to the last reply (the figures of every results file).
+  spent in ``send_and_receive`` (the figures of every results file).
 * :class:`FastPollGrid` polls for replies every 50 ms instead of Flower 1.42's fixed 3 s
   (``HttpGrid.send_and_receive`` sleeps 3 s between pulls; ``push_messages`` /
-  ``pull_messages`` are public API, so the same loop can run with a short interval), and
-  hands each reply on as it arrives (:class:`~fedddl.flower.reply_stream.ReplyStream`)::
+  ``pull_messages`` are public API, so the same loop can run with a short interval)::
 
       @app.main()
       def main(grid: Grid, context: Context) -> None:
@@ -28,7 +27,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 from flwr.app import Message, MetricRecord, RecordDict
 from flwr.proto.node_pb2 import NodeInfo
@@ -37,7 +36,6 @@ from flwr.supercore.run import Run
 
 from fedddl.flower.protocol import CLIENT_CACHED, CLIENT_SECONDS, METRICS
 from fedddl.flower.records import content_nbytes, record_of
-from fedddl.flower.reply_stream import ReplyStream
 
 __all__ = [
     "DEFAULT_POLL_INTERVAL_S",
@@ -110,8 +108,7 @@ class CountingGrid(DelegatingGrid):
     messages_down, messages_up : int
         Message counts since :meth:`reset`.
     exchange_s : float
-        Seconds from sending each exchange's messages to receiving its last reply (or to
-        the end of its stream when some never came), summed since :meth:`reset`.
+        Seconds spent inside the inner ``send_and_receive`` since :meth:`reset`.
     count_s : float
         Seconds spent serializing for the byte counts since :meth:`reset`.
     client_s : float
@@ -129,10 +126,7 @@ class CountingGrid(DelegatingGrid):
         self.reset()
 
     def reset(self) -> None:
-        """Zero all counters (after receiving the latest exchange's outstanding replies)."""
-        if getattr(self, "_open", None) is not None:
-            self.settle()
-        self._open: ReplyStream | None = None
+        """Zero all counters."""
         self.bytes_down = 0
         self.bytes_up = 0
         self.messages_down = 0
@@ -191,44 +185,16 @@ class CountingGrid(DelegatingGrid):
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
-        """Send ``messages``; return their replies as a :class:`ReplyStream`, each counted
-        as it is received (a wrapped grid that streams its replies, as
-        :class:`FastPollGrid` does, hands them on as they arrive).
-
-        An earlier exchange whose replies were not all read is received in full first.
-        """
+        """Send ``messages``, wait for replies; count both directions."""
         messages = list(messages)
-        self.settle()
         if not messages:
             return []
         self._count_down(messages)
         start = time.perf_counter()
-        arrivals = iter(self.inner.send_and_receive(messages, timeout=timeout))
-        self._open = ReplyStream(self._counted(arrivals, len(messages), start))
-        return self._open
-
-    def _counted(
-        self, arrivals: Iterator[Message], expected: int, start: float
-    ) -> Iterator[Message]:
-        """The replies, each counted; the exchange lasts until the last reply arrived (or,
-        when some never came, until no more could come)."""
-        received, end = 0, start
-        try:
-            for reply in arrivals:
-                end = time.perf_counter()
-                received += 1
-                self._observe([reply])
-                yield reply
-            if received < expected:
-                end = time.perf_counter()
-        finally:
-            self.exchange_s += end - start
-
-    def settle(self) -> None:
-        """Receive (and count) every reply still to come of the latest exchange."""
-        if self._open is not None:
-            self._open.receive_all()
-            self._open = None
+        replies = list(self.inner.send_and_receive(messages, timeout=timeout))
+        self.exchange_s += time.perf_counter() - start
+        self._observe(replies)
+        return replies
 
 
 class FastPollGrid(DelegatingGrid):
@@ -279,22 +245,18 @@ class FastPollGrid(DelegatingGrid):
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
-        """Push ``messages`` now; return a :class:`ReplyStream` of their replies, pulled
-        every ``poll_interval_s`` while it is read and handed on as they arrive.
+        """Push ``messages``, then pull replies every ``poll_interval_s`` until all arrived.
 
-        Same contract as ``Grid.send_and_receive``: the replies received before ``timeout``
-        seconds (``None``: all of them); the stream ends when no more can come. Once the
-        simulation ended (``stopped``), reading it raises ``RuntimeError``.
+        Same contract as ``Grid.send_and_receive``: returns the replies received before
+        ``timeout`` seconds (``None``: wait for all of them).
         """
         pending = set(self.push_messages(messages))
         deadline = None if timeout is None else time.monotonic() + timeout
-        return ReplyStream(self._arrivals(pending, deadline))
-
-    def _arrivals(self, pending: set[str], deadline: float | None) -> Iterator[Message]:
+        replies: list[Message] = []
         while pending:
             received = list(self.pull_messages(pending))
+            replies.extend(received)
             pending.difference_update(m.metadata.reply_to_message_id for m in received)
-            yield from received
             if not pending:
                 break
             if deadline is not None and time.monotonic() >= deadline:
@@ -304,6 +266,7 @@ class FastPollGrid(DelegatingGrid):
                     f"the simulation ended while {len(pending)} replies were awaited"
                 )
             self.wait(self.poll_interval_s)
+        return replies
 
 
 #: Longest wait between two reply pulls of the in-process simulation grid (Flower 1.42: a

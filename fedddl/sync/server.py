@@ -8,13 +8,12 @@ fingerprints of recent versions and what it knows about each node. Per round:
    :class:`~fedddl.sync.messages.TrainInstruction`: the updates it misses from the log,
    or a snapshot of the shadow replica when it is further behind, and the version it must
    reach before computing.
-2. :meth:`ReplicaServer.aggregate` takes the replies. Each is checked as it is read (an
-   iterable that receives them as they arrive lets that overlap the slower clients) against
-   the round (:meth:`validate_reply`: version, fingerprint) and its payload header against
-   the model (:mod:`fedddl.sync.screening`), before anything is decoded; the header scales
-   are bounded by the round's honest majority (:mod:`fedddl.sync.scale_bound`); the
-   accepted replies are decoded one at a time into one buffer and combined in node order
-   (the same model whatever order they arrived in; float sums depend on their order)
+2. :meth:`ReplicaServer.aggregate` takes the replies. Each is checked against the round
+   (:meth:`validate_reply`: version, fingerprint) and its payload header against the model
+   (:mod:`fedddl.sync.screening`), before anything is decoded; the header scales are
+   bounded by the round's honest majority (:mod:`fedddl.sync.scale_bound`); the accepted
+   replies are decoded one at a time into one buffer and combined in node order (the same
+   model whatever order they arrived in: float sums depend on their order)
    (:meth:`aggregate_gradients`, by default the configured aggregator of
    :mod:`fedddl.sync.robust`); the aggregate is encoded for the downlink
    (:meth:`encode_downlink`), decoded exactly as the clients will decode it, applied to the
