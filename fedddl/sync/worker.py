@@ -35,7 +35,7 @@ from fedddl.running_stats import record_batch_statistics
 from fedddl.seeding import derive_seed
 from fedddl.sync.exemptions import exempt_parameters
 from fedddl.sync.messages import ClientReply, TrainInstruction, fingerprint_prefix
-from fedddl.training import iterate_minibatches, local_sgd, named_gradients
+from fedddl.training import iterate_minibatches, local_sgd
 
 __all__ = ["WorkerState", "compute_pseudo_gradient", "reach_version", "run_instruction"]
 
@@ -96,23 +96,29 @@ def compute_pseudo_gradient(
     generator = torch.Generator().manual_seed(seed)
     batches = iterate_minibatches(x, y, min(batch_size, x.shape[0]), generator)
     work = model if local_steps == 1 else copy.deepcopy(model)
+    # the parameters are walked once (a walk of the module tree is not free on a small model)
     buffers = {k: b.detach().clone() for k, b in work.named_buffers()}
+    params = [(n, p) for n, p in work.named_parameters() if p.requires_grad]
     optimizer = None
     if local_steps > 1:
-        params = [p for p in work.parameters() if p.requires_grad]
-        optimizer = torch.optim.SGD(params, lr=learning_rate, momentum=0.0, foreach=False)
+        trainable = [p for _, p in params]
+        optimizer = torch.optim.SGD(trainable, lr=learning_rate, momentum=0.0, foreach=False)
     total: dict[str, torch.Tensor] = {}
 
-    def collect() -> None:
-        grads = named_gradients(work)
+    def collect() -> None:  # named_gradients(work), from the list walked above
+        grads = {
+            n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+            for n, p in params
+        }
         total.update(grads if not total else {k: total[k] + grads[k] for k in total})
 
     with record_batch_statistics(work) as recorder:
         loss, examples = local_sgd(work, batches, local_steps, optimizer, on_gradient=collect)
-    work.zero_grad(set_to_none=True)
+    for _, p in params:
+        p.grad = None
     if work is model:  # the replica's buffers change only through broadcast updates
         with torch.no_grad():
-            for k, b in model.named_buffers():
+            for k, b in model.named_buffers():  # by name: a module may have replaced one
                 b.copy_(buffers[k])
     if local_steps > 1:
         total = {k: g / local_steps for k, g in total.items()}
