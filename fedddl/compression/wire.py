@@ -35,6 +35,8 @@ more than the message size.  Sizes are always ``len(encode_update(...))``.
 no value decoded), so a receiver can compare names, shapes, dtypes, codecs and
 scales with what it expects before it decodes anything; ``max_bytes`` and
 ``max_tensors`` reject an oversized message before its entries are parsed.
+:func:`open_message` does the same and keeps what it read: the receiver then
+decodes (:meth:`OpenedMessage.decode`) without reading the header again.
 """
 
 from __future__ import annotations
@@ -61,7 +63,6 @@ from fedddl.compression.identity import IdentityCompressor as _Identity
 from fedddl.compression.memory import Memory
 from fedddl.compression.message_buffer import MessageBuffer, NonFiniteValues
 from fedddl.compression.packing import (
-    find_invalid_codes,
     invalid_codes,
     is_small,
     packed_size,
@@ -812,27 +813,14 @@ def decode_update(
 
 def _decode(layout: _Layout, out: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
     """Decode the data of a checked message (see :func:`decode_update`)."""
-    view, entries, data_start, sizes = layout.body, layout.entries, layout.start, layout.sizes
+    entries = layout.entries
     if out is not None:
         _check_out(out, entries)
         if _fits_small_path(entries, out):
             return _decode_small(layout, out)
-    raws: list[torch.Tensor] = []
-    offset = data_start
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we copy out of it
-        for (name, _, kind, shape, _), size in zip(entries, sizes, strict=True):
-            raw = (
-                torch.frombuffer(view, dtype=torch.uint8, count=size, offset=offset)
-                if size
-                else torch.empty(0, dtype=torch.uint8)
-            )
-            offset += size
-            if kind != _KIND_DENSE:
-                problem = find_invalid_codes(raw, math.prod(shape), _CODEC_OF_KIND[kind])
-                if problem is not None:
-                    raise PayloadError(f"tensor {name!r}: {problem}")
-            raws.append(raw)
+        raws = [torch.from_numpy(source) for source in _checked_data(layout)]
     # everything is validated: from here on nothing can fail on the message's account
     # Ternary entries decoded straight into float32 (new tensors, or float32 CPU buffers)
     # are batched: one threaded pass over all of them, however small each one is.
@@ -897,10 +885,14 @@ def _fits_small_path(
     return is_small(numel)
 
 
-def _decode_small(layout: _Layout, out: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """:func:`_decode` of a small message into float32 CPU buffers: every code checked
-    first, then each entry written in place with numpy (the same values as the batched
-    path: a ternary value is ``scale × code`` in float32, a dense one its bytes)."""
+def _checked_data(layout: _Layout) -> list[np.ndarray[Any, Any]]:
+    """Each entry's data bytes (read-only views of the body), every ternary code checked.
+
+    Raises
+    ------
+    PayloadError
+        Naming the first tensor with an invalid code or non-zero padding.
+    """
     sources = []
     offset = layout.start
     for (name, _, kind, shape, _), size in zip(layout.entries, layout.sizes, strict=True):
@@ -911,6 +903,14 @@ def _decode_small(layout: _Layout, out: Mapping[str, torch.Tensor]) -> dict[str,
             if problem is not None:
                 raise PayloadError(f"tensor {name!r}: {problem}")
         sources.append(source)
+    return sources
+
+
+def _decode_small(layout: _Layout, out: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """:func:`_decode` of a small message into float32 CPU buffers: every code checked
+    first, then each entry written in place with numpy (the same values as the batched
+    path: a ternary value is ``scale × code`` in float32, a dense one its bytes)."""
+    sources = _checked_data(layout)
     # everything is validated: from here on nothing can fail on the message's account
     result = {}
     for (name, _, kind, shape, scale), source in zip(layout.entries, sources, strict=True):
