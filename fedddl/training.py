@@ -7,7 +7,7 @@ minibatch stream over in-memory tensors.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ __all__ = [
     "check_tensors_like",
     "compute_gradients",
     "evaluate",
+    "gradients_of",
     "iterate_minibatches",
     "local_sgd",
     "model_device",
@@ -80,9 +81,15 @@ def _trainable(model: nn.Module) -> dict[str, nn.Parameter]:
 
 def named_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     """Return copies of all trainable parameters' gradients (zeros where ``.grad`` is None)."""
+    return gradients_of(_trainable(model).items())
+
+
+def gradients_of(params: Iterable[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:
+    """:func:`named_gradients` of ``(name, parameter)`` pairs the caller already holds (no
+    walk of the module tree)."""
     return {
         name: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
-        for name, p in _trainable(model).items()
+        for name, p in params
     }
 
 

@@ -386,21 +386,21 @@ class _Reader:
     def __init__(self, data: memoryview, start: int, end: int) -> None:
         self.data, self.pos, self.end = data, start, end
 
-    def take(self, size: int, what: str, *args: object) -> memoryview:
-        stop = self.pos + size
+    def _advance(self, size: int, what: str, args: tuple[object, ...]) -> int:
+        """Move past ``size`` bytes; return where they start."""
+        start = self.pos
+        stop = start + size
         if stop > self.end:
             raise PayloadError(f"truncated header while reading {what.format(*args)}")
-        view = self.data[self.pos : stop]
         self.pos = stop
-        return view
+        return start
+
+    def take(self, size: int, what: str, *args: object) -> memoryview:
+        start = self._advance(size, what, args)
+        return self.data[start : self.pos]
 
     def unpack(self, layout: struct.Struct, what: str, *args: object) -> tuple[Any, ...]:
-        start = self.pos
-        stop = start + layout.size
-        if stop > self.end:
-            raise PayloadError(f"truncated header while reading {what.format(*args)}")
-        self.pos = stop
-        return layout.unpack_from(self.data, start)
+        return layout.unpack_from(self.data, self._advance(layout.size, what, args))
 
 
 _NAME_LENGTH = struct.Struct("<H")

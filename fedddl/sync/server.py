@@ -537,7 +537,10 @@ class ReplicaServer:
                             scratch[name].clamp_(-bound, bound)
                             if name in peaks:
                                 peaks[name] = min(peaks[name], bound)
-                    _check_finite(scratch, item.entries)
+                    unvouched = [
+                        e.name for e in item.entries if e.name not in scales and e.name not in peaks
+                    ]
+                    _check_finite(scratch, unvouched)
                 except (PayloadError, ReplicaError, StatisticsError) as err:
                     raise PayloadRejected(f"node {reply.node_id} payload rejected: {err}") from err
                 except Exception as err:  # a decoder bug on hostile input must not end the round
@@ -736,29 +739,27 @@ def _costly(catch_up: CatchUp) -> bool:
     return catch_up.kind == "snapshot" or (catch_up.kind == "log" and len(catch_up.updates) > 1)
 
 
-def _check_finite(decoded: dict[str, torch.Tensor], entries: list[EntryHeader]) -> None:
-    """Reject non-finite values in float32 ``decoded`` (names and shapes already match).
+def _check_finite(decoded: dict[str, torch.Tensor], unvouched: list[str]) -> None:
+    """Reject non-finite values in the ``unvouched`` tensors of float32 ``decoded``.
 
-    Only the entries screening could not vouch for are read: a ternary entry decodes to
-    ``{-1, 0, 1} ×`` its finite float32 scale, and a dense float32 / float16 / bfloat16
-    entry whose ``peak`` was measured (finite) stays finite in float32; a dense entry
-    without a peak, or a wider dtype (float64 can exceed float32's range), is checked.
+    Screening vouches for the others: a ternary entry decodes to ``{-1, 0, 1} ×`` its finite
+    float32 scale, and a dense entry with a measured peak (:func:`_dense_peaks`) stays
+    finite in float32.
 
     Raises
     ------
     ReplicaError
         Naming the first tensor with a non-finite value.
     """
-    for entry in entries:
-        measured = entry.peak is not None and entry.dtype != torch.float64
-        vouched = entry.codec is not None or measured
-        if not vouched and not bool(torch.isfinite(decoded[entry.name]).all()):
-            raise ReplicaError(f"update {entry.name!r} has non-finite values")
+    for name in unvouched:
+        if not bool(torch.isfinite(decoded[name]).all()):
+            raise ReplicaError(f"update {name!r} has non-finite values")
 
 
 def _dense_peaks(entries: list[EntryHeader]) -> dict[str, float]:
     """The measured largest magnitudes of the dense entries whose float32 decoding keeps
-    them (float64 values are rounded to float32, which can raise a magnitude)."""
+    them: float32 / float16 / bfloat16 (float64 values are rounded to float32, which can
+    raise a magnitude, or overflow it; a dense entry without a peak was not measured)."""
     return {
         e.name: e.peak
         for e in entries

@@ -35,7 +35,7 @@ from fedddl.running_stats import record_batch_statistics
 from fedddl.seeding import derive_seed
 from fedddl.sync.exemptions import exempt_parameters
 from fedddl.sync.messages import ClientReply, TrainInstruction, fingerprint_prefix
-from fedddl.training import iterate_minibatches, local_sgd
+from fedddl.training import gradients_of, iterate_minibatches, local_sgd
 
 __all__ = ["WorkerState", "compute_pseudo_gradient", "reach_version", "run_instruction"]
 
@@ -105,11 +105,8 @@ def compute_pseudo_gradient(
         optimizer = torch.optim.SGD(trainable, lr=learning_rate, momentum=0.0, foreach=False)
     total: dict[str, torch.Tensor] = {}
 
-    def collect() -> None:  # named_gradients(work), from the list walked above
-        grads = {
-            n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
-            for n, p in params
-        }
+    def collect() -> None:
+        grads = gradients_of(params)
         total.update(grads if not total else {k: total[k] + grads[k] for k in total})
 
     with record_batch_statistics(work) as recorder:
