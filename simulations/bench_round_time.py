@@ -1,26 +1,32 @@
 """Wall time of a simulated round: TernGrad against FedAvg (and GradientAverage), side by side.
 
 Runs the same configuration with each strategy through ``fedddl simulate``'s Python API
-(Flower's Ray simulation, one actor per ``--cpus-per-client`` CPUs), alternating the
-strategies ``--repeats`` times, and prints each run's median round (the first round, which
-pays Ray's start-up, is left out), its final accuracy and its mean bytes per round, then the
-median over runs and the ratios to FedAvg and to GradientAverage (same seed, same shards).
+(Flower's Ray simulation, one actor per ``--cpus-per-client`` CPUs), each run in a fresh
+Python process (runs are independent samples: nothing a run leaves in the process, Ray's
+or ours, weighs on the next), ``--repeats`` times, alternating which strategy goes first,
+and prints each run's median round (the first round, which pays Ray's start-up, is left
+out), its final accuracy and its mean bytes per round, then the median over runs and the
+ratios to FedAvg and to GradientAverage (same seed, same shards), and, run by run, the
+ratio of TernGrad's median to the other strategy's in the same repeat.
 
     python simulations/bench_round_time.py --dataset digits --rounds 40
     python simulations/bench_round_time.py --dataset fashion-mnist --arch resnet8 --rounds 100 \
         --repeats 1 --eval-samples 2000
 
-The last lines read ``bytes per round (up + down): terngrad A B, ...`` and ``median round:
+The last lines read ``bytes per round (up + down): terngrad A B, ...``, ``median round:
 terngrad A s, fedavg B s, gradient-average C s (terngrad/fedavg R, terngrad/gradient-average
-Q)``.
+Q)`` and ``per repeat terngrad/fedavg: r1 r2 ... (TernGrad no slower in K of N)``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
 import time
+from typing import Any
 
 STRATEGIES = ("terngrad", "fedavg", "gradient-average")
 
@@ -47,28 +53,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--strategies: terngrad and at least one of {STRATEGIES[1:]} "
                      f"(unknown: {unknown})")
 
-    from fedddl.app_config import AppConfig
-    from fedddl.flower.simulation import run
-
     medians: dict[str, list[float]] = {s: [] for s in chosen}
     traffic: dict[str, list[float]] = {s: [] for s in chosen}
     for repeat in range(args.repeats):
-        for strategy in chosen:
-            cfg = AppConfig(
-                num_server_rounds=args.rounds,
-                strategy=strategy,
-                dataset=args.dataset,
-                arch=args.arch,
-                eval_every=args.eval_every or args.rounds,
-                eval_samples=args.eval_samples,
-            )
+        order = chosen if repeat % 2 == 0 else chosen[::-1]
+        for strategy in order:
             start = time.perf_counter()
-            result = run(cfg, num_clients=args.num_clients,
-                         num_cpus_per_client=args.cpus_per_client, progress=None)
-            walls = [r["wall_s"] for r in result["rounds"][1:]]
+            result = _run_in_fresh_process(args, strategy)
+            walls = result["walls"]
             medians[strategy].append(statistics.median(walls))
-            summary = result["summary"]
-            traffic[strategy].append(summary["mean_bytes_up"] + summary["mean_bytes_down"])
+            traffic[strategy].append(result["bytes"])
             took = time.perf_counter() - start
             print(
                 f"run {repeat + 1} {strategy:16s} median round {medians[strategy][-1]:.3f} s "
@@ -77,8 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{traffic[strategy][-1]:,.0f} B/round up + down)",
                 flush=True,
             )
-            rounds = result["rounds"]
-            curve = [(r["round"], r["accuracy"]) for r in rounds if r["accuracy"] is not None]
+            curve = result["curve"]
             if len(curve) > 1:
                 print("    accuracy by round: " + ", ".join(f"{n} {a:.4f}" for n, a in curve))
     overall = {s: statistics.median(v) for s, v in medians.items()}
@@ -98,8 +91,73 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"terngrad/{s} {overall['terngrad'] / overall[s]:.2f}" for s in others)
         + ")"
     )
+    for other in others:
+        pairs = [t / o for t, o in zip(medians["terngrad"], medians[other], strict=True)]
+        print(
+            f"per repeat terngrad/{other}: " + " ".join(f"{r:.2f}" for r in pairs)
+            + f" (TernGrad no slower in {sum(r <= 1.0 for r in pairs)} of {len(pairs)})"
+        )
+    return 0
+
+
+def _run_in_fresh_process(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
+    """One run of ``strategy`` in a new Python process; its walls, accuracy, bytes, curve."""
+    spec = {
+        "strategy": strategy,
+        "rounds": args.rounds,
+        "dataset": args.dataset,
+        "arch": args.arch,
+        "eval_every": args.eval_every or args.rounds,
+        "eval_samples": args.eval_samples,
+        "num_clients": args.num_clients,
+        "cpus_per_client": args.cpus_per_client,
+    }
+    done = subprocess.run(
+        [sys.executable, __file__, "--one-run", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith(_RESULT)]
+    if done.returncode != 0 or not lines:
+        sys.stderr.write(done.stderr[-4000:])
+        raise SystemExit(f"the {strategy} run failed (exit status {done.returncode})")
+    result: dict[str, Any] = json.loads(lines[-1][len(_RESULT) :])
+    return result
+
+
+_RESULT = "BENCH-RESULT "
+
+
+def _one_run(spec_json: str) -> int:
+    """The child side of :func:`_run_in_fresh_process`: run, print one result line."""
+    spec = json.loads(spec_json)
+    from fedddl.app_config import AppConfig
+    from fedddl.flower.simulation import run
+
+    cfg = AppConfig(
+        num_server_rounds=spec["rounds"],
+        strategy=spec["strategy"],
+        dataset=spec["dataset"],
+        arch=spec["arch"],
+        eval_every=spec["eval_every"],
+        eval_samples=spec["eval_samples"],
+    )
+    result = run(cfg, num_clients=spec["num_clients"],
+                 num_cpus_per_client=spec["cpus_per_client"], progress=None)
+    rounds = result["rounds"]
+    summary = result["summary"]
+    out = {
+        "walls": [r["wall_s"] for r in rounds[1:]],
+        "final_accuracy": result["final_accuracy"],
+        "bytes": summary["mean_bytes_up"] + summary["mean_bytes_down"],
+        "curve": [(r["round"], r["accuracy"]) for r in rounds if r["accuracy"] is not None],
+    }
+    print(_RESULT + json.dumps(out), flush=True)
     return 0
 
 
 if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--one-run":
+        sys.exit(_one_run(sys.argv[2]))
     sys.exit(main())
