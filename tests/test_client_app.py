@@ -211,3 +211,30 @@ def test_pack_tensors_round_trip_and_bad_layouts() -> None:
     bad = ConfigRecord(dict(layout, dtypes=["float32", "nope", "bfloat16", "float32"]))
     with pytest.raises(ValueError, match="bad dtype"):
         unpack_tensors(blob, bad)
+
+
+def test_a_bound_app_pickles_as_its_config_and_loads_once_per_process() -> None:
+    """Flower's Ray simulation pickles the ClientApp with every message: a bound app travels
+    as its config and the receiving process reuses the app it built for that config."""
+    import pickle
+
+    from clients.client_app import app as unbound
+
+    cfg = AppConfig(strategy="terngrad", seed=7)
+    bound = make_client_app(cfg)
+    data = pickle.dumps(bound)
+    first, second = pickle.loads(data), pickle.loads(pickle.dumps(bound))
+    assert first is second and first.fedddl_config == cfg  # type: ignore[attr-defined]
+    assert b"handle_train" not in data  # the handler closures do not travel
+    other = pickle.loads(pickle.dumps(make_client_app(AppConfig(strategy="terngrad", seed=8))))
+    assert other is not first and other.fedddl_config.seed == 8  # type: ignore[attr-defined]
+    # it answers a message as the app it was pickled from does
+    content = build_train_content(TrainInstruction(1, 0, [], compressor="ternary-base3"))
+    replies = []
+    for client_app in (bound, first):
+        grid = InlineGrid(client_app, 1)
+        msg = Message(content=content, message_type=MessageType.TRAIN, dst_node_id=1000)
+        (reply,) = grid.send_and_receive([msg])
+        replies.append(parse_reply(reply))
+    assert replies[0].payload == replies[1].payload and replies[0].loss == replies[1].loss
+    assert not hasattr(unbound, "fedddl_config")  # flwr run's app reads run_config
