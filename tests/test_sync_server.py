@@ -100,6 +100,19 @@ def test_the_arrival_order_of_the_replies_does_not_change_the_model() -> None:
     assert forward.server.reports[-1].loss == backward.server.reports[-1].loss
 
 
+def test_the_node_ids_do_not_change_the_model() -> None:
+    """Flower's simulation draws new random node ids every run: the same replies under other
+    ids (their order by id reversed) must give the same model."""
+    plain, relabelled = Cluster(), Cluster()
+    swap = dict(zip(NODES, NODES[::-1], strict=True))
+    for _ in range(3):
+        plain.server.aggregate(plain.round + 1, plain.replies())
+        replies = [dataclasses.replace(r, node_id=swap[r.node_id]) for r in relabelled.replies()]
+        relabelled.server.aggregate(relabelled.round, replies)  # replies() counted the round
+    assert plain.server.shadow.fingerprint() == relabelled.server.shadow.fingerprint()
+    assert plain.server.reports[-1].loss == relabelled.server.reports[-1].loss
+
+
 def test_catch_up_by_log_and_by_snapshot() -> None:
     cluster = Cluster(update_log_size=2)
     cluster.step()
