@@ -238,3 +238,22 @@ def test_a_bound_app_pickles_as_its_config_and_loads_once_per_process() -> None:
         replies.append(parse_reply(reply))
     assert replies[0].payload == replies[1].payload and replies[0].loss == replies[1].loss
     assert not hasattr(unbound, "fedddl_config")  # flwr run's app reads run_config
+
+
+def test_a_reply_reports_its_partition_and_a_bad_one_is_refused() -> None:
+    """The server combines replies in the order of the partitions the clients report."""
+    from flwr.app import MetricRecord
+
+    from fedddl.flower.protocol import MAX_PARTITION_ID, METRICS, PARTITION_ID
+
+    content = build_train_content(TrainInstruction(1, 0, [], compressor="ternary-base3"))
+    reply, _ = _deliver(content, pid=1)
+    assert parse_reply(reply).partition_id == 1
+    for bad in (-1, MAX_PARTITION_ID + 1, 1.5):
+        metrics = reply.content[METRICS]
+        assert isinstance(metrics, MetricRecord)
+        metrics[PARTITION_ID] = bad
+        with pytest.raises(ReplyError, match="'partition-id' must be"):
+            parse_reply(reply)
+    del reply.content[METRICS][PARTITION_ID]  # type: ignore[attr-defined]
+    assert parse_reply(reply).partition_id is None  # not reported: combined after the others

@@ -25,8 +25,10 @@ Client → server reply:
   models with BatchNorm layers, ``"statistics"`` → the encoded input statistics of its
   minibatches (:mod:`fedddl.running_stats`).
 * ``"metrics"`` :class:`~flwr.app.MetricRecord`: ``num-examples``, ``loss``,
-  ``model-version`` (and, with ``FEDDDL_CLIENT_TIMING=1``, the diagnostics ``client-s``,
-  handler seconds, and ``client-cached``, live replicas the process keeps).
+  ``model-version``, ``partition-id`` (the client's data partition: the order in which the
+  server combines replies, the same in every run) (and, with ``FEDDDL_CLIENT_TIMING=1``,
+  the diagnostics ``client-s``, handler seconds, and ``client-cached``, live replicas the
+  process keeps).
 * ``"replica"`` :class:`~flwr.app.ConfigRecord`: ``fingerprint`` (the first
   :data:`~fedddl.sync.messages.FINGERPRINT_BYTES` bytes of the replica's sha256
   fingerprint). A client that cannot catch up sends only ``"metrics"`` with
@@ -38,7 +40,8 @@ with an ``"arrays"`` record is stock FedAvg (:data:`FEDAVG_ARRAYS`).
 
 :func:`parse_reply` validates every metric of a reply or refuses it: ``model-version`` an
 int >= -1, ``num-examples`` an int in ``[1, max_examples]``, ``loss`` a finite number in
-``[0, MAX_LOSS]``, ``client-s`` (if present) finite and >= 0, ``resync`` (if present) 1.
+``[0, MAX_LOSS]``, ``partition-id`` (if present) an int in ``[0, MAX_PARTITION_ID]``,
+``client-s`` (if present) finite and >= 0, ``resync`` (if present) 1.
 """
 
 from __future__ import annotations
@@ -102,6 +105,7 @@ SNAPSHOT_VERSION = "snapshot-version"
 WANT_SCALES = "want-scales"
 NUM_EXAMPLES = "num-examples"
 LOSS = "loss"
+PARTITION_ID = "partition-id"
 RESYNC = "resync"
 FINGERPRINT = "fingerprint"
 CLIENT_SECONDS = "client-s"
@@ -112,6 +116,8 @@ FEDAVG_ARRAYS = "arrays"
 MAX_EXAMPLES = (1 << 31) - 1
 #: Largest ``loss`` a reply may report (a cross-entropy beyond it means a diverged replica).
 MAX_LOSS = 1e9
+#: Largest ``partition-id`` a reply may report.
+MAX_PARTITION_ID = (1 << 31) - 1
 
 
 def is_localized_train(content: RecordDict) -> bool:
@@ -222,6 +228,7 @@ def build_reply_content(reply: ClientReply) -> RecordDict:
                     NUM_EXAMPLES: reply.num_examples,
                     LOSS: float(reply.loss),
                     MODEL_VERSION: reply.model_version,
+                    **({} if reply.partition_id is None else {PARTITION_ID: reply.partition_id}),
                 }
             ),
             REPLICA: ConfigRecord({FINGERPRINT: bytes.fromhex(reply.fingerprint)}),
@@ -274,6 +281,13 @@ def parse_reply(message: Message, *, max_examples: int = MAX_EXAMPLES) -> Client
         raise ReplyError(f"{what}: {LOSS!r} must be a number, got {loss!r}")
     if not 0 <= loss <= MAX_LOSS:  # also false for NaN
         raise ReplyError(f"{what}: {LOSS!r} must be finite and in [0, {MAX_LOSS:g}], got {loss}")
+    partition_id = None
+    if PARTITION_ID in metrics:
+        partition_id = _int(metrics, PARTITION_ID, what)
+        if not 0 <= partition_id <= MAX_PARTITION_ID:
+            raise ReplyError(
+                f"{what}: {PARTITION_ID!r} must be in [0, {MAX_PARTITION_ID}], got {partition_id}"
+            )
     replica = record_of(content, REPLICA, ConfigRecord)
     raw_fp = None if replica is None else replica.get(FINGERPRINT)
     if not isinstance(raw_fp, bytes) or len(raw_fp) != FINGERPRINT_BYTES:
@@ -303,5 +317,6 @@ def parse_reply(message: Message, *, max_examples: int = MAX_EXAMPLES) -> Client
         except ValueError as err:
             raise ReplyError(f"{what}: bad {STATISTICS!r} Array: {err}") from err
     return ClientReply(
-        node_id, version, raw_fp.hex(), payload, num_examples, float(loss), scales, statistics
+        node_id, version, raw_fp.hex(), payload, num_examples, float(loss), scales, statistics,
+        partition_id,
     )

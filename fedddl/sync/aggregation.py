@@ -84,8 +84,8 @@ class Aggregate:
     gradient : dict[str, torch.Tensor]
         The combined gradient every replica applies (after downlink encoding).
     contributors : list[ClientReply]
-        The replies that went into it, in the order they were combined (content order:
-        payload, statistics, loss, node id).
+        The replies that went into it, in the order they were combined (the partitions
+        the clients report, then node id).
     code_sums : dict[str, torch.Tensor] | None
         Exact sums of the contributors' ternary codes (int32, flat) at the shared scales,
         when every contribution was ternary at those scales; else None.

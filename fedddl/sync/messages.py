@@ -96,6 +96,10 @@ class ClientReply:
         Encoded BatchNorm input statistics of the local minibatches
         (:mod:`fedddl.running_stats`; identity-compressed :func:`encode_update` bytes), for
         models with BatchNorm layers.
+    partition_id : int | None
+        The data partition the client reports (its ``node_config["partition-id"]``): the
+        server combines replies in this order, which is the same in every run, unlike node
+        ids (random in Flower's simulation) and arrival order. None: not reported.
     """
 
     node_id: int
@@ -106,6 +110,7 @@ class ClientReply:
     loss: float
     scales: torch.Tensor | None = None
     statistics: bytes | None = None
+    partition_id: int | None = None
 
     @property
     def resync(self) -> bool:

@@ -12,9 +12,9 @@ fingerprints of recent versions and what it knows about each node. Per round:
    (:meth:`validate_reply`: version, fingerprint) and its payload header against the model
    (:mod:`fedddl.sync.screening`), before anything is decoded; the header scales are
    bounded by the round's honest majority (:mod:`fedddl.sync.scale_bound`); the accepted
-   replies are decoded one at a time into one buffer and combined in content order (the
-   same model whatever order they arrived in and whatever ids the nodes drew: float sums
-   depend on their order)
+   replies are decoded one at a time into one buffer and combined in the order of the
+   partitions the clients report (the same model whatever order they arrived in and
+   whatever ids the nodes drew: float sums depend on their order)
    (:meth:`aggregate_gradients`, by default the configured aggregator of
    :mod:`fedddl.sync.robust`); the aggregate is encoded for the downlink
    (:meth:`encode_downlink`), decoded exactly as the clients will decode it, applied to the
@@ -39,7 +39,6 @@ snapshot.
 
 from __future__ import annotations
 
-import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -108,18 +107,15 @@ class ParseFailure:
     error: ReplyError
 
 
-def _content_key(reply: ClientReply) -> tuple[bytes, bytes, bytes, int]:
-    """The order in which accepted replies are combined: by what they carry (payload, then
-    statistics, then loss), node id last. Replies of the same content combine in the same
-    order in every run: neither arrival order nor node ids (random in Flower's simulation)
-    change the model. Comparing the bytes stops at their first difference (the first
-    scale), so ordering costs next to nothing."""
-    return (
-        bytes(reply.payload or b""),
-        bytes(reply.statistics or b""),
-        struct.pack("<d", reply.loss),
-        reply.node_id,
-    )
+def _combination_key(reply: ClientReply) -> tuple[int, int, int]:
+    """The order in which accepted replies are combined: by the partition each client
+    reports, node id last (replies without a partition after the others). Float sums depend
+    on their order; neither arrival order nor node ids (which Flower's simulation draws at
+    random for every run) are the same from one run to the next, partitions are. A client
+    that lies about its partition only moves its own reply in the sum."""
+    if reply.partition_id is None:
+        return (1, 0, reply.node_id)
+    return (0, reply.partition_id, reply.node_id)
 
 
 @dataclass(frozen=True)
@@ -394,10 +390,12 @@ class ReplicaServer:
         self._round = server_round
         screened = [r for r in (self._screen(item, report) for item in replies) if r is not None]
         self.nodes.end_round()
-        # Combined in content order, not arrival order: float sums depend on their order, and
-        # the same seed must give the same model however the replies raced and whatever ids
-        # the nodes drew (Flower's simulation draws new random node ids every run).
-        bounded = sorted(self._bound_scales(screened, report), key=lambda s: _content_key(s.reply))
+        # Combined in partition order, not arrival order: float sums depend on their order,
+        # and the same seed must give the same model however the replies raced and whatever
+        # ids the nodes drew (Flower's simulation draws new random node ids every run).
+        bounded = sorted(
+            self._bound_scales(screened, report), key=lambda s: _combination_key(s.reply)
+        )
         failure = ""
         try:
             aggregate = self.aggregate_gradients(self._decoded(bounded, report))

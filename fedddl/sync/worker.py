@@ -229,4 +229,5 @@ def run_instruction(
         loss=loss,
         scales=mine,
         statistics=encode_update(statistics, IdentityCompressor()) if statistics else None,
+        partition_id=partition_id,
     )
