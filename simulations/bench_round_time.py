@@ -46,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated subset to run (default: all three)")
     parser.add_argument("--eval-samples", type=int, default=0,
                         help="test samples per evaluation (default: 0, all)")
+    parser.add_argument("--one-run", help=argparse.SUPPRESS)  # the child of one run
     args = parser.parse_args(argv)
+    if args.one_run is not None:
+        return _one_run(args, args.one_run)
     chosen = [s for s in args.strategies.split(",") if s]
     unknown = sorted(set(chosen) - set(STRATEGIES))
     if unknown or "terngrad" not in chosen or len(chosen) < 2:
@@ -59,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         order = chosen if repeat % 2 == 0 else chosen[::-1]
         for strategy in order:
             start = time.perf_counter()
-            result = _run_in_fresh_process(args, strategy)
+            result = _run_in_fresh_process(argv, strategy)
             walls = result["walls"]
             medians[strategy].append(statistics.median(walls))
             traffic[strategy].append(result["bytes"])
@@ -100,20 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run_in_fresh_process(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
-    """One run of ``strategy`` in a new Python process; its walls, accuracy, bytes, curve."""
-    spec = {
-        "strategy": strategy,
-        "rounds": args.rounds,
-        "dataset": args.dataset,
-        "arch": args.arch,
-        "eval_every": args.eval_every or args.rounds,
-        "eval_samples": args.eval_samples,
-        "num_clients": args.num_clients,
-        "cpus_per_client": args.cpus_per_client,
-    }
+def _run_in_fresh_process(argv: list[str] | None, strategy: str) -> dict[str, Any]:
+    """One run of ``strategy`` in a new Python process (this script with the same options
+    and ``--one-run``); its walls, accuracy, bytes and accuracy curve."""
+    options = sys.argv[1:] if argv is None else argv
     done = subprocess.run(
-        [sys.executable, __file__, "--one-run", json.dumps(spec)],
+        [sys.executable, __file__, *options, "--one-run", strategy],
         capture_output=True,
         text=True,
         check=False,
@@ -129,22 +124,21 @@ def _run_in_fresh_process(args: argparse.Namespace, strategy: str) -> dict[str, 
 _RESULT = "BENCH-RESULT "
 
 
-def _one_run(spec_json: str) -> int:
+def _one_run(args: argparse.Namespace, strategy: str) -> int:
     """The child side of :func:`_run_in_fresh_process`: run, print one result line."""
-    spec = json.loads(spec_json)
     from fedddl.app_config import AppConfig
     from fedddl.flower.simulation import run
 
     cfg = AppConfig(
-        num_server_rounds=spec["rounds"],
-        strategy=spec["strategy"],
-        dataset=spec["dataset"],
-        arch=spec["arch"],
-        eval_every=spec["eval_every"],
-        eval_samples=spec["eval_samples"],
+        num_server_rounds=args.rounds,
+        strategy=strategy,
+        dataset=args.dataset,
+        arch=args.arch,
+        eval_every=args.eval_every or args.rounds,
+        eval_samples=args.eval_samples,
     )
-    result = run(cfg, num_clients=spec["num_clients"],
-                 num_cpus_per_client=spec["cpus_per_client"], progress=None)
+    result = run(cfg, num_clients=args.num_clients,
+                 num_cpus_per_client=args.cpus_per_client, progress=None)
     rounds = result["rounds"]
     summary = result["summary"]
     out = {
@@ -158,6 +152,4 @@ def _one_run(spec_json: str) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--one-run":
-        sys.exit(_one_run(sys.argv[2]))
     sys.exit(main())
