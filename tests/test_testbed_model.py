@@ -12,6 +12,7 @@ from fedddl.network import NetworkModel
 from fedddl.testbed.compare import client_rates
 from fedddl.testbed.flower_run import (
     ACK_OVERHEAD,
+    RETRANSMITTED_SEGMENT_BYTES,
     TCP_OVERHEAD,
     FlowerTestbed,
     time_to_target,
@@ -111,6 +112,19 @@ def test_wire_bounds_are_payload_plus_framing_up_to_idle_traffic() -> None:
     assert low == pytest.approx(1e6 * (1 + TCP_OVERHEAD) + 1e6 * ACK_OVERHEAD)
     assert high == pytest.approx(low + 1000)
     assert math.isclose(TCP_OVERHEAD, 66 / 1448)
+
+
+def test_wire_bounds_count_what_each_direction_s_sender_retransmitted() -> None:
+    section = {"app_bytes": {"up": 1_000_000, "down": 500_000, "fab_per_supernode": 250_000},
+               "supernodes": 2, "idle_rate_Bps": {"tx": 1000.0, "rx": 100.0}, "run_s": 10.0}
+    plain = wire_bounds(section, slack=0.0)
+    section["retransmitted_segments"] = {"supernodes": 10, "superlink": 3}
+    resent = wire_bounds(section, slack=0.0)
+    assert resent["tx_bytes"][0] == plain["tx_bytes"][0]
+    assert resent["tx_bytes"][1] == pytest.approx(plain["tx_bytes"][1] + 10 * 1514)
+    assert resent["rx_bytes"][0] == plain["rx_bytes"][0]
+    assert resent["rx_bytes"][1] == pytest.approx(plain["rx_bytes"][1] + 3 * 1514)
+    assert RETRANSMITTED_SEGMENT_BYTES == 1514
 
 
 def test_parse_run_config_reads_flower_syntax_and_refuses_garbage() -> None:

@@ -101,6 +101,8 @@ def test_link_rate_counters_and_cleanup(supported: None, tmp_path: Path) -> None
         names = net.namespaces
         assert set(names) <= _existing() and len(names) == 4
         assert json.loads(record.read_text())["namespaces"] == names
+        # Each node's TCP counters are its own namespace's: fresh ones, nothing resent.
+        assert [net.tcp_retransmitted_segments(i) for i in range(3)] == [0, 0, 0]
         # 0 -> 1 is capped by its per-peer class (500 kB/s); 1 -> 0 is not limited.
         before = net.counters(0)
         _, received = _send(net, 0, 1, PAYLOAD)

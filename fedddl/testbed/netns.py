@@ -174,6 +174,16 @@ def check_support() -> None:
                 _run(["ip", "netns", "delete", probe], "delete the probe namespace")
 
 
+def _tcp_retransmitted_segments() -> int:
+    # /proc/thread-self: this thread's namespace (/proc/self is the whole process's).
+    lines = [line.split() for line in
+             Path("/proc/thread-self/net/snmp").read_text().splitlines()
+             if line.startswith("Tcp:")]
+    if len(lines) != 2 or "RetransSegs" not in lines[0]:
+        raise TestbedError("no Tcp RetransSegs counter in /proc/net/snmp")
+    return int(lines[1][lines[0].index("RetransSegs")])
+
+
 def run_in_netns(namespace: str, fn: Callable[[], _T]) -> _T:
     """Call ``fn`` in a helper thread that has entered network namespace ``namespace``.
 
@@ -408,6 +418,17 @@ class Testbed:
             "rx_bytes": int(stats["rx"]["bytes"]),
             "rx_packets": int(stats["rx"]["packets"]),
         }
+
+    def tcp_retransmitted_segments(self, node: int) -> int:
+        """TCP segments the kernel of node ``node``'s namespace has retransmitted so far.
+
+        ``RetransSegs`` of the namespace's ``/proc/net/snmp`` (all its sockets, loopback
+        ones included), counted in MSS-sized segments. A retransmitted copy of a segment
+        the receiver had already counted on its interface (a spurious retransmission, or
+        a drop after the interface, e.g. a full socket queue) is counted there twice.
+        """
+        self._check(node)
+        return run_in_netns(self.namespace(node), _tcp_retransmitted_segments)
 
     def peer_bytes(self, node: int) -> dict[int, int]:
         """Bytes node ``node`` sent to each peer with its own class (qdisc counters)."""

@@ -10,8 +10,10 @@ run). Checks:
 
 * the bytes counted on the SuperNodes' interfaces lie in the band the testbed
   documents around the application's own counts (``wire_bounds``: payload plus
-  TCP/IP framing and ACKs, at most plus the idle poll traffic), both directions,
-  both runs;
+  TCP/IP framing and ACKs, at most plus the idle poll traffic and the segments
+  TCP retransmitted), both directions, both runs; the upper bounds are not
+  checked (and that is printed) when a process logged a retried connection,
+  whose resent bytes the application does not count;
 * the limited run takes longer than the unlimited one by about the predicted
   amount: within [0.6, 1.7] x, a band wide enough for a shared, loaded 2-core
   machine, where a ClientApp's compute time per message varies by several seconds;
@@ -46,6 +48,14 @@ def _existing_namespaces() -> set[str]:
     return {entry["name"] for entry in json.loads(out or "[]")}
 
 
+def _log_lines(work: Path, *needles: str) -> list[str]:
+    """The processes' log lines containing any of ``needles`` (the last 20)."""
+    lines = [f"{log.name}: {line.strip()}" for log in sorted(work.rglob("*.log"))
+             for line in log.read_text(errors="replace").splitlines()
+             if any(needle in line for needle in needles)]
+    return lines[-20:]
+
+
 def test_rate_limited_deployment_matches_wire_counts_and_predicted_slowdown(
     tmp_path: Path, flwr_env: dict[str, str]
 ) -> None:
@@ -70,13 +80,23 @@ def test_rate_limited_deployment_matches_wire_counts_and_predicted_slowdown(
         slow = bed.run(RUN_CONFIG, "limited")
 
     assert not set(created) & _existing_namespaces(), "namespaces left behind"
+    # A request Flower retried (a lost connection) sends its bytes again, uncounted by
+    # the application: the upper bounds hold only for runs without one.
+    retried = _log_lines(tmp_path / "bed", "Connection attempt failed", "tries.")
     for run in (free, slow):
         section = run["testbed"]
         assert len(run["rounds"]) == 1
         assert section["app_bytes"]["up"] > 2 * 80_000  # fp32 CNN gradients went up
         for key, (low, high) in wire_bounds(section).items():
             measured = section["wire"][key]
-            assert low <= measured <= high, (section["name"], key, low, measured, high)
+            details = (section["name"], key, low, measured, high,
+                       section["retransmitted_segments"], section["run_s"],
+                       _log_lines(tmp_path / "bed", "ERROR", "WARNING"))
+            assert low <= measured, details
+            if retried:
+                print("upper bound not checked, Flower retried a connection:", details, retried)
+            else:
+                assert measured <= high, details
 
     predicted = predict_flower(slow, free, limits, fab_bytes=fab)
     measured_extra = sum(r["wall_s"] for r in slow["rounds"]) - sum(
