@@ -5,9 +5,12 @@ Runs the same configuration with each strategy through ``fedddl simulate``'s Pyt
 Python process (runs are independent samples: nothing a run leaves in the process, Ray's
 or ours, weighs on the next), ``--repeats`` times, alternating which strategy goes first,
 and prints each run's median round (the first round, which pays Ray's start-up, is left
-out), its final accuracy and its mean bytes per round, then the median over runs and the
-ratios to FedAvg and to GradientAverage (same seed, same shards), and, run by run, the
-ratio of TernGrad's median to the other strategy's in the same repeat.
+out), its median exchange (the server's messages out to the last reply in: the clients'
+work and Flower's and Ray's hops), its final accuracy and its mean bytes per round, then
+the median over runs and the ratios to FedAvg and to GradientAverage (same seed, same
+shards), where the round went (exchange against the rest: the server's work on the
+round), and, run by run, the ratio of TernGrad's median to the other strategy's in the
+same repeat.
 
     python simulations/bench_round_time.py --dataset digits --rounds 40
     python simulations/bench_round_time.py --dataset fashion-mnist --arch resnet8 --rounds 100 \
@@ -15,7 +18,8 @@ ratio of TernGrad's median to the other strategy's in the same repeat.
 
 The last lines read ``bytes per round (up + down): terngrad A B, ...``, ``median round:
 terngrad A s, fedavg B s, gradient-average C s (terngrad/fedavg R, terngrad/gradient-average
-Q)`` and ``per repeat terngrad/fedavg: r1 r2 ... (TernGrad no slower in K of N)``.
+Q)``, ``median exchange: terngrad A s, ...; rest of the round: terngrad B s, ...`` and
+``per repeat terngrad/fedavg: r1 r2 ... (TernGrad no slower in K of N)``.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"(unknown: {unknown})")
 
     medians: dict[str, list[float]] = {s: [] for s in chosen}
+    exchanges: dict[str, list[float]] = {s: [] for s in chosen}
     traffic: dict[str, list[float]] = {s: [] for s in chosen}
     for repeat in range(args.repeats):
         order = chosen if repeat % 2 == 0 else chosen[::-1]
@@ -65,11 +70,13 @@ def main(argv: list[str] | None = None) -> int:
             result = _run_in_fresh_process(argv, strategy)
             walls = result["walls"]
             medians[strategy].append(statistics.median(walls))
+            exchanges[strategy].append(statistics.median(result["exchanges"]))
             traffic[strategy].append(result["bytes"])
             took = time.perf_counter() - start
             print(
                 f"run {repeat + 1} {strategy:16s} median round {medians[strategy][-1]:.3f} s "
-                f"(min {min(walls):.3f}, max {max(walls):.3f}; run {took:.0f} s, "
+                f"(min {min(walls):.3f}, max {max(walls):.3f}; "
+                f"exchange {exchanges[strategy][-1]:.3f} s; run {took:.0f} s, "
                 f"accuracy {result['final_accuracy']:.4f}, "
                 f"{traffic[strategy][-1]:,.0f} B/round up + down)",
                 flush=True,
@@ -93,6 +100,14 @@ def main(argv: list[str] | None = None) -> int:
         + " ("
         + ", ".join(f"terngrad/{s} {overall['terngrad'] / overall[s]:.2f}" for s in others)
         + ")"
+    )
+    rest = {s: statistics.median(m - e for m, e in zip(medians[s], exchanges[s], strict=True))
+            for s in chosen}
+    print(
+        "median exchange: "
+        + ", ".join(f"{s} {statistics.median(exchanges[s]):.4f} s" for s in chosen)
+        + "; rest of the round: "
+        + ", ".join(f"{s} {rest[s]:.4f} s" for s in chosen)
     )
     for other in others:
         pairs = [t / o for t, o in zip(medians["terngrad"], medians[other], strict=True)]
@@ -143,6 +158,7 @@ def _one_run(args: argparse.Namespace, strategy: str) -> int:
     summary = result["summary"]
     out = {
         "walls": [r["wall_s"] for r in rounds[1:]],
+        "exchanges": [r["exchange_s"] for r in rounds[1:]],
         "final_accuracy": result["final_accuracy"],
         "bytes": summary["mean_bytes_up"] + summary["mean_bytes_down"],
         "curve": [(r["round"], r["accuracy"]) for r in rounds if r["accuracy"] is not None],
