@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_in_fresh_process(argv: list[str] | None, strategy: str) -> dict[str, Any]:
     """One run of ``strategy`` in a new Python process (this script with the same options
-    and ``--one-run``); its walls, accuracy, bytes and accuracy curve."""
+    and ``--one-run``); its round walls and exchanges, accuracy, bytes and accuracy curve."""
     options = sys.argv[1:] if argv is None else argv
     done = subprocess.run(
         [sys.executable, __file__, *options, "--one-run", strategy],

@@ -109,6 +109,7 @@ def test_rate_limited_deployment_matches_wire_counts_and_predicted_slowdown(
     # A request Flower retried (a lost connection) sends its bytes again, uncounted by
     # the application: the upper bounds hold only for runs without one.
     retried = _log_lines(tmp_path / "bed", "Connection attempt failed", "tries.")
+    problems = _log_lines(tmp_path / "bed", "ERROR", "WARNING")
     for run in (free, slow):
         section = run["testbed"]
         assert len(run["rounds"]) == 1
@@ -116,8 +117,7 @@ def test_rate_limited_deployment_matches_wire_counts_and_predicted_slowdown(
         for key, (low, high) in wire_bounds(section).items():
             measured = section["wire"][key]
             details = (section["name"], key, low, measured, high,
-                       section["retransmitted_segments"], section["run_s"],
-                       _log_lines(tmp_path / "bed", "ERROR", "WARNING"))
+                       section["retransmitted_segments"], section["run_s"], problems)
             assert low <= measured, details
             if retried:
                 print("upper bound not checked, Flower retried a connection:", details, retried)
