@@ -7,13 +7,16 @@ replies straight back, as a transport would carry them.
 from __future__ import annotations
 
 import dataclasses
+import struct
+import zlib
 
 import pytest
 import torch
 
 from fedddl.app_config import AppConfig
-from fedddl.compression import decode_update, encode_update, get_compressor
+from fedddl.compression import OpenedMessage, decode_update, encode_update, get_compressor
 from fedddl.compression.downlink import decode_broadcast
+from fedddl.compression.wire import read_header
 from fedddl.data import as_tensors, load_dataset
 from fedddl.partition import stratified_shards
 from fedddl.sync import (
@@ -28,6 +31,7 @@ from fedddl.sync import (
     VersionMismatch,
     running_mean,
 )
+from fedddl.sync import server as server_module
 from fedddl.sync.nodes import NodeBook
 from fedddl.sync.worker import WorkerState, run_instruction
 
@@ -298,3 +302,43 @@ def test_a_dense_tensor_that_is_not_finite_in_float32_is_dropped() -> None:
     assert report.accepted == sorted(r.node_id for r in replies[1:])
     assert cluster.server.shadow.version == 1
     assert all(bool(torch.isfinite(p).all()) for p in cluster.server.shadow.model.parameters())
+
+
+def test_small_replies_decoded_in_batches_give_the_model_decoding_one_by_one_gives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    batched, single = Cluster(), Cluster()
+    sizes: list[int] = []
+    real = server_module.decode_small_batch
+
+    def counted(messages: list[OpenedMessage], like: dict[str, torch.Tensor]) -> object:
+        sizes.append(len(messages))
+        return real(messages, like)
+
+    monkeypatch.setattr(server_module, "decode_small_batch", counted)
+    for _ in range(3):
+        batched.step()
+        with monkeypatch.context() as one_by_one:
+            one_by_one.setattr(server_module, "BATCH_DECODE_BYTES", 1)  # batches of one reply
+            single.step()
+    assert sizes == [len(NODES), 1, 1, 1, 1] * 3
+    assert batched.server.shadow.fingerprint() == single.server.shadow.fingerprint()
+    assert [r.loss for r in batched.server.reports] == [r.loss for r in single.server.reports]
+
+
+def test_a_reply_with_an_invalid_code_is_dropped_from_its_batch_alone() -> None:
+    cluster = Cluster()
+    replies = cluster.replies()
+    payload = replies[1].payload
+    assert payload is not None
+    entries = read_header(payload)
+    ternary = next(e for e in entries if e.codec == "base3")
+    offset = len(payload) - 4 - sum(e.data_bytes for e in entries)
+    offset += sum(e.data_bytes for e in entries[: entries.index(ternary)])
+    body = bytearray(payload[:-4])
+    body[offset] = 0xFF  # a base-3 byte >= 243, in a message whose CRC is right
+    bad = dataclasses.replace(replies[1], payload=bytes(body) + struct.pack("<I", zlib.crc32(body)))
+    report = cluster.server.aggregate(1, [replies[0], bad, *replies[2:]])
+    assert "invalid base-3 byte" in report.dropped[bad.node_id]
+    assert report.accepted == sorted(r.node_id for r in replies if r is not replies[1])
+    assert report.version == 1

@@ -50,12 +50,14 @@ __all__ = [
     "PACK_SLACK",
     "codes_per_byte",
     "find_invalid_codes",
+    "invalid_code_rows",
     "invalid_codes",
     "is_small",
     "pack_codes",
     "pack_codes_into",
     "pack_padded_codes",
     "packed_size",
+    "unpack_code_rows",
     "unpack_codes",
     "unpack_codes_batch",
     "unpack_codes_into",
@@ -223,6 +225,46 @@ def invalid_codes(source: np.ndarray[Any, Any], numel: int, codec: str) -> str |
     if used and last >= 3**used:
         return "non-zero padding in the last code byte"
     return None
+
+
+def invalid_code_rows(rows: np.ndarray[Any, Any], numel: int, codec: str) -> bool:
+    """Whether :func:`invalid_codes` finds a problem in any row of ``rows``: a 2-D
+    ``uint8`` array holding one tensor's packed codes per row (the same tensor of several
+    messages), checked in one pass."""
+    if rows.ndim != 2 or rows.shape[1] != packed_size(numel, codec):
+        return True
+    if numel == 0 or rows.shape[0] == 0:
+        return False
+    last = rows[:, -1]
+    if codec == "2bit":
+        used = numel % 4
+        return bool(((rows & (rows >> 1)) & 0x55).any()) or bool(
+            used and (last >> (2 * used)).any()
+        )
+    used = numel % 5
+    return bool((rows >= 243).any()) or bool(used and (last >= 3**used).any())
+
+
+def unpack_code_rows(
+    rows: np.ndarray[Any, Any],
+    numel: int,
+    scales: np.ndarray[Any, Any],
+    codec: str,
+    target: np.ndarray[Any, Any],
+) -> None:
+    """:func:`unpack_codes_into` of each row of valid packed codes (``rows``: 2-D
+    ``uint8``, one tensor's codes per row, as :func:`invalid_code_rows` checks them) at its
+    own scale (``scales``: float32, one per row) into the float32 rows of ``target``
+    (``rows × numel``), in one numpy pass: the same values, ``code × scale`` in float32."""
+    count, per = rows.shape[0], codes_per_byte(codec)
+    whole = numel // per
+    table = _TABLES[codec]
+    codes = np.take(table, rows[:, :whole].astype(np.intp), axis=0)  # count × whole × per
+    target[:, : whole * per] = codes.reshape(count, whole * per)
+    used = numel - whole * per
+    if used:
+        target[:, whole * per :] = table[rows[:, whole], :used]
+    target *= scales.astype(np.float32).reshape(count, 1)
 
 
 def unpack_codes(

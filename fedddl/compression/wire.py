@@ -45,7 +45,7 @@ import math
 import struct
 import warnings
 import zlib
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -63,9 +63,11 @@ from fedddl.compression.identity import IdentityCompressor as _Identity
 from fedddl.compression.memory import Memory
 from fedddl.compression.message_buffer import MessageBuffer, NonFiniteValues
 from fedddl.compression.packing import (
+    invalid_code_rows,
     invalid_codes,
     is_small,
     packed_size,
+    unpack_code_rows,
     unpack_codes,
     unpack_codes_batch,
     unpack_codes_into,
@@ -91,6 +93,7 @@ __all__ = [
     "MAX_TENSORS",
     "EntryHeader",
     "OpenedMessage",
+    "decode_small_batch",
     "decode_update",
     "encode_update",
     "open_message",
@@ -647,6 +650,70 @@ class OpenedMessage:
             if layout.entries != self._layout.entries:
                 raise PayloadError("the message's header changed after it was read")
         return _decode(layout, out)
+
+
+def decode_small_batch(
+    messages: Sequence[OpenedMessage], like: Mapping[str, torch.Tensor]
+) -> list[dict[str, torch.Tensor]] | None:
+    """Decode several small messages of one layout at once, or None.
+
+    Per message, new float32 CPU tensors holding bit for bit what
+    ``message.decode(out=like)`` would write into ``like`` (whose tensors only give the
+    names, the shapes and that the small in-place path applies; they are not written).
+    One numpy pass per tensor over all the messages replaces the per-message steps of
+    :meth:`OpenedMessage.decode`, which dominate for small models. The caller bounds
+    the memory: ``len(messages)`` rows of every tensor.
+
+    Returns None, having decoded nothing, when the batch does not apply: fewer than two
+    messages, a message in a mutable buffer, layouts that differ (names, dtypes, codecs,
+    shapes, in order), a layout that ``like`` does not fit or that is not small
+    (:func:`~fedddl.compression.packing.is_small`), or an invalid code or non-zero
+    padding in any message. Decode those one at a time with :meth:`OpenedMessage.decode`,
+    which says what is wrong with which message.
+    """
+    if len(messages) < 2 or not all(m._stable for m in messages):
+        return None
+    first = messages[0]._layout
+    shape_of = [entry[:4] for entry in first.entries]
+    for message in messages[1:]:
+        layout = message._layout
+        if (
+            layout.start != first.start
+            or layout.sizes != first.sizes
+            or [entry[:4] for entry in layout.entries] != shape_of
+        ):
+            return None
+    try:
+        _check_out(like, first.entries)
+    except PayloadError:
+        return None
+    if not _fits_small_path(first.entries, like):
+        return None
+    count = len(messages)
+    columns: list[tuple[str, np.ndarray[Any, Any]]] = []
+    offset = first.start
+    for index, ((name, _, kind, shape, _), size) in enumerate(
+        zip(first.entries, first.sizes, strict=True)
+    ):
+        rows = np.empty((count, size), dtype=np.uint8)
+        for row, message in zip(rows, messages, strict=True):
+            row[:] = np.frombuffer(message._layout.body, dtype=np.uint8, count=size, offset=offset)
+        offset += size
+        numel = math.prod(shape)
+        values = np.empty((count, numel), dtype=np.float32)
+        if kind == _KIND_DENSE:  # float32 (the small path's condition): its bytes
+            values.view(np.uint8)[:] = rows
+        else:
+            codec = _CODEC_OF_KIND[kind]
+            if invalid_code_rows(rows, numel, codec):
+                return None
+            scales = np.array([m._layout.entries[index][4] for m in messages], np.float32)
+            unpack_code_rows(rows, numel, scales, codec, values)
+        columns.append((name, values.reshape(count, *shape)))
+    return [
+        {name: torch.from_numpy(values[row, ...]) for name, values in columns}
+        for row in range(count)
+    ]
 
 
 def _dense_peak(name: str, raw: memoryview, dtype: torch.dtype) -> float:

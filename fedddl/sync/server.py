@@ -67,6 +67,7 @@ from fedddl.compression.downlink import (
     encode_reencoded,
     encode_shared_sum,
 )
+from fedddl.compression.wire import decode_small_batch
 from fedddl.defenses import Defenses
 from fedddl.lr_decay import NO_DECAY, StepDecay
 from fedddl.replica import CatchUp, Replica, ReplicaError, UpdateLog, plan_catch_up
@@ -97,6 +98,9 @@ __all__ = ["DOWNLINKS", "ParseFailure", "ReplicaServer"]
 DOWNLINKS: tuple[str, ...] = ("reternarize", "shared-scale-sum")
 
 logger = getLogger("fedddl")
+
+#: Float32 bytes of small models' replies decoded at once (:meth:`ReplicaServer._decoded`).
+BATCH_DECODE_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -535,39 +539,60 @@ class ReplicaServer:
         """Decode each screened reply into one reused buffer; drop those that do not decode.
 
         Server memory therefore stays flat in the number of clients: the encoded replies,
-        one fp32 decode buffer and the aggregation's accumulator.
+        one fp32 decode buffer and the aggregation's accumulator. Small models' replies
+        (where each reply's decoding steps cost more than its values) are decoded in
+        batches of at most :data:`BATCH_DECODE_BYTES` of float32 values
+        (:func:`~fedddl.compression.wire.decode_small_batch`: the same values; a batch
+        with any reply it does not apply to is decoded reply by reply, as before).
         """
         scratch = self._decode_buffers()
-        for item in screened:
-            reply = item.reply
-            scales = {e.name: e.scale for e in item.entries if e.codec is not None}
-            peaks = _dense_peaks(item.entries)
+        numel = sum(t.numel() for t in scratch.values())
+        per_batch = max(1, BATCH_DECODE_BYTES // max(1, 4 * numel))
+        for first in range(0, len(screened), per_batch):
+            chunk = screened[first : first + per_batch]
+            batch = decode_small_batch([item.message for item in chunk], scratch)
+            for position, item in enumerate(chunk):
+                decoded = None if batch is None else batch[position]
+                contribution = self._contribution(item, scratch, decoded, report)
+                if contribution is not None:
+                    yield contribution
+
+    def _contribution(
+        self,
+        item: _Screened,
+        scratch: dict[str, torch.Tensor],
+        decoded: dict[str, torch.Tensor] | None,
+        report: RoundReport,
+    ) -> Contribution | None:
+        """One screened reply's contribution: its values (``decoded`` already, else decoded
+        into ``scratch``), clipped as screening decided and checked; None if dropped."""
+        reply = item.reply
+        scales = {e.name: e.scale for e in item.entries if e.codec is not None}
+        peaks = _dense_peaks(item.entries)
+        try:
             try:
-                try:
-                    item.message.decode(out=scratch)
-                    for name, bound in item.clip.items():
-                        if name in scales:
-                            scales[name] = _clip_ternary(scratch[name], bound)
-                        else:  # a dense (fp32-exempt) tensor: its values, to +-bound
-                            scratch[name].clamp_(-bound, bound)
-                            if name in peaks:
-                                peaks[name] = min(peaks[name], bound)
-                    unvouched = [
-                        e.name for e in item.entries if e.name not in scales and e.name not in peaks
-                    ]
-                    _check_finite(scratch, unvouched)
-                except (PayloadError, ReplicaError, StatisticsError) as err:
-                    raise PayloadRejected(f"node {reply.node_id} payload rejected: {err}") from err
-                except Exception as err:  # a decoder bug on hostile input must not end the round
-                    raise PayloadRejected(
-                        f"node {reply.node_id} payload rejected: {type(err).__name__}: {err}"
-                    ) from err
-            except PayloadRejected as err:
-                self._drop(report, reply.node_id, err)
-                continue
-            yield Contribution(
-                reply, scratch, scales=scales, statistics=item.statistics, peaks=peaks
-            )
+                values = item.message.decode(out=scratch) if decoded is None else decoded
+                for name, bound in item.clip.items():
+                    if name in scales:
+                        scales[name] = _clip_ternary(values[name], bound)
+                    else:  # a dense (fp32-exempt) tensor: its values, to +-bound
+                        values[name].clamp_(-bound, bound)
+                        if name in peaks:
+                            peaks[name] = min(peaks[name], bound)
+                unvouched = [
+                    e.name for e in item.entries if e.name not in scales and e.name not in peaks
+                ]
+                _check_finite(values, unvouched)
+            except (PayloadError, ReplicaError, StatisticsError) as err:
+                raise PayloadRejected(f"node {reply.node_id} payload rejected: {err}") from err
+            except Exception as err:  # a decoder bug on hostile input must not end the round
+                raise PayloadRejected(
+                    f"node {reply.node_id} payload rejected: {type(err).__name__}: {err}"
+                ) from err
+        except PayloadRejected as err:
+            self._drop(report, reply.node_id, err)
+            return None
+        return Contribution(reply, values, scales=scales, statistics=item.statistics, peaks=peaks)
 
     def _decode_buffers(self) -> dict[str, torch.Tensor]:
         """One float32 CPU buffer per trainable parameter, reused by every reply and round."""
