@@ -342,3 +342,19 @@ def test_a_reply_with_an_invalid_code_is_dropped_from_its_batch_alone() -> None:
     assert "invalid base-3 byte" in report.dropped[bad.node_id]
     assert report.accepted == sorted(r.node_id for r in replies if r is not replies[1])
     assert report.version == 1
+
+
+def test_a_failing_batch_decode_falls_back_to_decoding_reply_by_reply(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    failing, plain = Cluster(), Cluster()
+
+    def broken(messages: list[OpenedMessage], like: dict[str, torch.Tensor]) -> object:
+        raise IndexError("a decoder bug")
+
+    monkeypatch.setattr(server_module, "decode_small_batch", broken)
+    report = failing.server.aggregate(1, failing.replies())
+    monkeypatch.undo()
+    plain.step()
+    assert report.accepted == sorted(NODES) and not report.skipped
+    assert failing.server.shadow.fingerprint() == plain.server.shadow.fingerprint()

@@ -550,7 +550,10 @@ class ReplicaServer:
         per_batch = max(1, BATCH_DECODE_BYTES // max(1, 4 * numel))
         for first in range(0, len(screened), per_batch):
             chunk = screened[first : first + per_batch]
-            batch = decode_small_batch([item.message for item in chunk], scratch)
+            try:
+                batch = decode_small_batch([item.message for item in chunk], scratch)
+            except Exception:  # a decoder bug on hostile input: one by one, which blames one
+                batch = None
             for position, item in enumerate(chunk):
                 decoded = None if batch is None else batch[position]
                 contribution = self._contribution(item, scratch, decoded, report)
