@@ -168,19 +168,16 @@ def main(argv: list[str] | None = None) -> int:
 def _run_in_fresh_process(argv: list[str] | None, strategy: str) -> dict[str, Any]:
     """One run of ``strategy`` in a new Python process (this script with the same options
     and ``--one-run``); its round walls and exchanges, accuracy, bytes and accuracy curve."""
+    with tempfile.TemporaryDirectory(prefix="bench-round-time-") as folder:
+        child = _Child(_child_command(argv, strategy), strategy, Path(folder))
+        child.process.wait()
+        return child.result()
+
+
+def _child_command(argv: list[str] | None, strategy: str) -> list[str]:
+    """This script with the parent's options and ``--one-run strategy``."""
     options = sys.argv[1:] if argv is None else argv
-    done = subprocess.run(
-        [sys.executable, __file__, *options, "--one-run", strategy],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith(_RESULT)]
-    if done.returncode != 0 or not lines:
-        sys.stderr.write(done.stderr[-4000:])
-        raise SystemExit(f"the {strategy} run failed (exit status {done.returncode})")
-    result: dict[str, Any] = json.loads(lines[-1][len(_RESULT) :])
-    return result
+    return [sys.executable, __file__, *options, "--one-run", strategy]
 
 
 #: The environment variable carrying a run's token: every process an interleaved run
@@ -301,13 +298,12 @@ def _run_interleaved(
     narrowed to the rounds inside its slices, and per strategy the walls of each slice."""
     from fedddl.proc import stop_pids
 
-    options = sys.argv[1:] if argv is None else argv
     slices: dict[str, list[Slice]] = {s: [] for s in order}
     with tempfile.TemporaryDirectory(prefix="bench-round-time-") as folder:
         children: dict[str, _Child] = {}
         try:
             for strategy in order:
-                command = [sys.executable, __file__, *options, "--one-run", strategy]
+                command = _child_command(argv, strategy)
                 child = children[strategy] = _Child(command, strategy, Path(folder))
                 child.wait_for_rounds(2)
                 child.pause()
