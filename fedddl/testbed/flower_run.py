@@ -54,13 +54,15 @@ SUPERLINK_PORT = 9092
 _PRELOAD = ("torch", "numpy", "sklearn.datasets", "fedddl.compression.jit:warm_up")
 _CONNECTION = "testbed"
 
-#: Bytes of Ethernet (14) + IPv4 (20) + TCP with timestamps (32) framing per full
-#: 1448-byte segment at MTU 1500 (offloads are off on the testbed's veths).
-TCP_OVERHEAD = 66 / 1448
+_SEGMENT = 1448  # payload bytes of a full TCP segment at MTU 1500 (with timestamps)
+_FRAMING = 66  # Ethernet (14) + IPv4 (20) + TCP with timestamps (32)
+#: Framing bytes per payload byte of full segments (offloads are off on the testbed's
+#: veths, so the interfaces count real segments).
+TCP_OVERHEAD = _FRAMING / _SEGMENT
 #: One 66-byte ACK per two full segments in the other direction (delayed ACKs).
-ACK_OVERHEAD = 66 / 2896
+ACK_OVERHEAD = _FRAMING / (2 * _SEGMENT)
 #: Wire bytes of one retransmitted full segment (payload + framing).
-RETRANSMITTED_SEGMENT_BYTES = 1448 + 66
+RETRANSMITTED_SEGMENT_BYTES = _SEGMENT + _FRAMING
 
 
 def wire_bounds(testbed: Mapping[str, Any], slack: float = 0.10) -> dict[str, tuple[float, float]]:
