@@ -674,6 +674,8 @@ def decode_small_batch(
     if len(messages) < 2 or not all(m._stable for m in messages):
         return None
     first = messages[0]._layout
+    if not is_small(sum(math.prod(shape) for _, _, _, shape, _ in first.entries)):
+        return None  # before comparing layouts: a large model's replies never batch
     shape_of = [entry[:4] for entry in first.entries]
     for message in messages[1:]:
         layout = message._layout
