@@ -78,14 +78,21 @@ def main(argv: list[str] | None = None) -> int:
             if way == "snapshot":
                 worker.saved_version = None  # the old behaviour: the whole replica every round
             snapshot_before = state.array_records.get("fedddl.replica")
-            journal_before = set(state.array_records.get("fedddl.journal") or {})
+            meta_before = state.config_records.get("fedddl.meta")
+            version_before = meta_before["version"] if meta_before is not None else 0
             start = time.perf_counter()
             save_state(state, worker)
             seconds.append(time.perf_counter() - start)
             snapshot = state.array_records["fedddl.replica"]
             full = 0 if snapshot is snapshot_before else content_nbytes(RecordDict({"r": snapshot}))
-            journal = state.array_records["fedddl.journal"]
-            entries = sum(len(bytes(a.data)) for k, a in journal.items() if k not in journal_before)
+            meta = state.config_records["fedddl.meta"]
+            journal, saved = meta["journal"], meta["saved-version"]
+            assert isinstance(journal, list) and isinstance(saved, int)
+            assert isinstance(version_before, int)
+            entries = sum(  # the journaled updates this round added
+                len(p) for i, p in enumerate(journal)
+                if isinstance(p, bytes) and saved + 1 + i > version_before
+            )
             written.append(full + entries)
         back = load_state(state, build, 0.1, 0.9)
         assert back.replica is not None and worker.replica is not None

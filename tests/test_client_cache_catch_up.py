@@ -276,3 +276,47 @@ def test_snapshots_in_files_keep_context_state_small_and_the_run_identical(
     assert _load(state, snapshot_dir=tmp_path).replica is None
     path.unlink()
     assert _load(state, snapshot_dir=tmp_path).replica is None
+
+
+def test_a_round_changes_one_record_and_bad_records_are_named(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Flower pickles the whole context.state with every message, at a cost per record
+    # and per Array: with the snapshot in a file, the state is one ConfigRecord whose
+    # journal holds the encoded updates since the snapshot, in order.
+    monkeypatch.setattr(client_state, "_shared", OrderedDict())
+    payloads = _payloads(3)
+    state = RecordDict()
+    st = WorkerState(Replica(CFG.model_factory()(), 0.1, 0.9), "ternary-base3")
+    save_state(state, st, snapshot_dir=tmp_path)
+    for payload in payloads:
+        _apply(st, payload)
+        save_state(state, st, snapshot_dir=tmp_path)
+    assert list(state) == ["fedddl.meta"]
+    meta = state["fedddl.meta"]
+    assert isinstance(meta, ConfigRecord)
+    assert meta["version"] == 3 and meta["saved-version"] == 0
+    assert meta["journal"] == payloads
+    rebuilt = _load(state, snapshot_dir=tmp_path)  # no key: from the file and the journal
+    assert rebuilt.replica is not None and rebuilt.replica.version == 3
+    assert _fingerprint(rebuilt) == _fingerprint(st)
+    # A journal that is not a list of updates, or a layout that is not one, is named
+    # (the client answers with that error), never half-loaded.
+    for name, value in [
+        ("journal", [1, 2, 3]),
+        ("journal", b"not a list"),
+        ("layout", "[1, 2]"),
+        ("layout", "{not json"),
+        ("layout", '{"names": [null]}'),
+    ]:
+        broken = RecordDict({"fedddl.meta": ConfigRecord(dict(meta))})
+        broken["fedddl.meta"][name] = value  # type: ignore[index]
+        with pytest.raises(ValueError, match=f"context.state (snapshot )?{name}"):
+            _load(broken, snapshot_dir=tmp_path)
+    # A journal one update short of the version: the replay stops where the journal
+    # does, and the digests (which no longer fit) are not trusted.
+    short = RecordDict({"fedddl.meta": ConfigRecord(dict(meta))})
+    short["fedddl.meta"]["journal"] = payloads[:2]  # type: ignore[index]
+    partial = _load(short, snapshot_dir=tmp_path)
+    assert partial.replica is not None and partial.replica.version == 2
+    assert partial.chains == []
