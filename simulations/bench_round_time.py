@@ -135,9 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         "median round: "
-        + ", ".join(f"{s} {overall[s]:.3f} s" for s in chosen)
+        + ", ".join(f"{s} {overall[s]:.4f} s" for s in chosen)
         + " ("
-        + ", ".join(f"terngrad/{s} {overall['terngrad'] / overall[s]:.2f}" for s in others)
+        + ", ".join(f"terngrad/{s} {overall['terngrad'] / overall[s]:.3f}" for s in others)
         + ")"
     )
     rest = {s: statistics.median(m - e for m, e in zip(medians[s], exchanges[s], strict=True))
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     for other in others:
         pairs = [t / o for t, o in zip(medians["terngrad"], medians[other], strict=True)]
         print(
-            f"per repeat terngrad/{other}: " + " ".join(f"{r:.2f}" for r in pairs)
+            f"per repeat terngrad/{other}: " + " ".join(f"{r:.3f}" for r in pairs)
             + f" (TernGrad no slower in {sum(r <= 1.0 for r in pairs)} of {len(pairs)})"
         )
     for other, ratios in cycles.items():
