@@ -98,7 +98,8 @@ def test_bytes_up_and_down_at_least_12x_fewer(runs: dict[bool, dict[str, Any]]) 
     assert runs[True]["strategy"].dropped == {}
 
 
-def test_readme_reports_these_figures() -> None:
-    """The README's section names this test as the source of its figures."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert "tests/test_flower_quickstart_compression.py" in readme
+def test_docs_report_these_figures() -> None:
+    """The drop-in compression page and the README's results row name this test as the source."""
+    root = Path(__file__).resolve().parents[1]
+    for page in ("docs/drop-in-compression.md", "README.md"):
+        assert "tests/test_flower_quickstart_compression.py" in (root / page).read_text(), page
