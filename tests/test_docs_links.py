@@ -1,4 +1,5 @@
-"""Every relative link in README.md and docs/ resolves: the file exists, the anchor is a heading.
+"""Every relative link in README.md and docs/ resolves: the file exists, the anchor is a heading;
+every repository path the pages name (``fedddl/...``, ``tests/...``, ...) exists.
 
 Anchors follow GitHub's rule: the heading's text lower-cased, everything but letters, digits,
 spaces, hyphens and underscores dropped, spaces turned into hyphens, a repeat suffixed ``-1``.
@@ -17,6 +18,9 @@ PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 _FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
 _INLINE_CODE = re.compile(r"`[^`\n]*`")
 _LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(([^)\s]*)(?:\s+\"[^\"]*\")?\)")
+_REPO_PATH = re.compile(
+    r"(?<![\w./-])((?:fedddl|strategies|clients|tests|simulations|docs)/[\w./*-]*[\w/*])"
+)
 _HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$", re.MULTILINE)
 
 
@@ -85,3 +89,19 @@ def test_the_readme_links_every_docs_page() -> None:
     pages = [p for p in (ROOT / "docs").glob("*.md")]
     missing = [p.name for p in pages if f"docs/{p.name}" not in readme_targets]
     assert not missing, missing
+
+
+def test_path_finder_sees_paths_in_prose_and_code() -> None:
+    text = "see `fedddl/sync/server.py`\n  python simulations/run.py --out results/x a/fedddl/no"
+    assert _REPO_PATH.findall(text) == ["fedddl/sync/server.py", "simulations/run.py"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_repository_path_named_exists(page: Path) -> None:
+    """A moved or renamed module shows up here with the page that still names it."""
+    missing = []
+    for name in sorted(set(_REPO_PATH.findall(page.read_text(encoding="utf-8")))):
+        found = any(ROOT.glob(name)) if "*" in name else (ROOT / name).exists()
+        if not found:
+            missing.append(name)
+    assert not missing, f"{page.relative_to(ROOT)} names paths that do not exist: {missing}"
