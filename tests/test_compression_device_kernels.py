@@ -12,7 +12,6 @@ import torch
 
 from fedddl.compression import device_kernels as kernels
 from fedddl.compression.packing import pack_codes, packed_size, unpack_codes
-from fedddl.compression.reference import python_pack
 from fedddl.compression.ternarize import (
     CHUNK as CPU_CHUNK,
 )
@@ -22,6 +21,7 @@ from fedddl.compression.ternarize import (
     ternarize_stochastic,
 )
 from tests.support.device_guard import DeviceGuard, DeviceMixingError
+from tests.support.reference import python_pack
 
 CODECS = ["2bit", "base3"]
 # lengths around every remainder mod 4 and 5, empty, and past a few whole groups

@@ -9,7 +9,7 @@ Targets:
     sees the same machine load: two memory copies of the same tensors (into
     new tensors, ``clone()``, and into warm buffers, ``copy_``), the naive
     reference (``torch.rand`` TernGrad + straightforward packing), GRACE's
-    TernGrad compress and decompress (:mod:`fedddl.compression.reference`),
+    TernGrad compress and decompress (:mod:`fedddl.commands._bench_baselines`),
     ``encode_update`` / ``decode_update`` with the 2-bit, base-3 and
     entropy-coded ternary codecs (decoding into new tensors, and with
     ``out=`` into warm, reused buffers) and with the fp32 identity codec.
@@ -115,18 +115,18 @@ def _cases(update: dict[str, Any], seed: int) -> list[Case]:
     """``(name, action, message bytes, reference case)`` of every timed case."""
     import torch
 
+    from fedddl.commands._bench_baselines import (
+        grace_terngrad_compress,
+        grace_terngrad_decompress,
+        naive_pack,
+        naive_ternarize,
+    )
     from fedddl.compression import (
         IdentityCompressor,
         TernaryCompressor,
         TernaryEntropyCompressor,
         decode_update,
         encode_update,
-    )
-    from fedddl.compression.reference import (
-        grace_terngrad_compress,
-        grace_terngrad_decompress,
-        naive_pack,
-        naive_ternarize,
     )
 
     tensors = list(update.values())
