@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from fedddl.compression import device_kernels as kernels
-from fedddl.compression.packing import pack_codes, packed_size, unpack_codes
-from fedddl.compression.ternarize import (
+from fedddl.compression.backends import device_kernels as kernels
+from fedddl.compression.backends.packing import pack_codes, packed_size, unpack_codes
+from fedddl.compression.backends.ternarize import (
     CHUNK as CPU_CHUNK,
 )
-from fedddl.compression.ternarize import (
+from fedddl.compression.backends.ternarize import (
     RandomBits,
     ternarize_deterministic,
     ternarize_stochastic,

@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--keep-freed-memory",
         action="store_true",
-        help="let glibc reuse freed large blocks (fedddl.compression.allocator) before "
+        help="let glibc reuse freed large blocks (fedddl.compression.backends.allocator) before "
         "measuring: no first-touch page faults for new messages and tensors",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -163,7 +163,7 @@ def _cases(update: dict[str, Any], seed: int) -> list[Case]:
             None,
         ),
     ]
-    from fedddl.compression.message_buffer import MessageBuffer
+    from fedddl.compression.codecs.message_buffer import MessageBuffer
 
     buffers = {label: MessageBuffer() for label in compressors}  # warm: one per codec
     for label, compressor in compressors.items():
@@ -306,8 +306,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import torch
 
-    from fedddl.compression import jit
-    from fedddl.compression.allocator import keep_freed_memory
+    from fedddl.compression.backends import jit
+    from fedddl.compression.backends.allocator import keep_freed_memory
 
     kept = keep_freed_memory() if args.keep_freed_memory else False
     if args.threads:

@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from fedddl.compression.identity import all_finite_array
-from fedddl.compression.jit import jit_kernels
-from fedddl.compression.parallel import run_units
+from fedddl.compression.backends.jit import jit_kernels
+from fedddl.compression.backends.parallel import run_units
+from fedddl.compression.backends.statistics import all_finite_array
 from fedddl.framing import CRC, crc32, crc32_combine
 
 __all__ = ["MessageBuffer", "NonFiniteValues"]

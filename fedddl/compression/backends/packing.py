@@ -17,7 +17,7 @@ Each value is a 2-bit code: ``0b00`` = 0, ``0b01`` = +1, ``0b10`` = -1;
     The unused trailing trits of the last byte must be 0.
 
 Both directions are vectorised and run on up to ``torch.get_num_threads()``
-threads (:mod:`fedddl.compression.parallel`).  Packing multiplies words of
+threads (:mod:`fedddl.compression.backends.parallel`).  Packing multiplies words of
 codes by a constant that gathers every code of a byte into one place
 (4 code bytes as a ``uint32`` for 2-bit, 5 code bytes read as an unaligned
 ``uint64`` for base-3); unpacking is a gather from a 256-entry table that
@@ -39,8 +39,8 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import as_strided
 
-from fedddl.compression.jit import jit_kernels
-from fedddl.compression.parallel import run_in_chunks, run_pipelined
+from fedddl.compression.backends.jit import jit_kernels
+from fedddl.compression.backends.parallel import run_in_chunks, run_pipelined
 
 __all__ = [
     "CODECS",
@@ -306,7 +306,7 @@ def unpack_codes(
 def is_small(numel: int) -> bool:
     """Whether unpacking ``numel`` values runs on the calling thread in one numpy pass:
     fewer than ``2**16`` values, unless the compiled kernels are forced on
-    (:func:`fedddl.compression.jit.set_jit`)."""
+    (:func:`fedddl.compression.backends.jit.set_jit`)."""
     return numel < _SMALL_NUMEL and jit_kernels(numel) is None
 
 

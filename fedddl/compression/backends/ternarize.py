@@ -16,7 +16,7 @@ The random integers come from numpy's PCG64DXSM (the faster, recommended
 PCG64 variant), four 16-bit values per 64-bit output.  The work is done in
 chunks of ``CHUNK`` elements (one read of the input, temporaries that stay in
 cache) by up to ``torch.get_num_threads()`` threads (numpy releases the GIL;
-:mod:`fedddl.compression.parallel`); a batch shares the chunks of all its
+:mod:`fedddl.compression.backends.parallel`); a batch shares the chunks of all its
 tensors out over the threads.  Value ``i`` of a tensor always uses the
 ``i``-th random value after the tensor's start in the stream (PCG
 ``advance``; each tensor starts on a whole 64-bit word after the previous
@@ -33,9 +33,14 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from fedddl.compression.jit import jit_kernels
-from fedddl.compression.packing import PACK_SLACK, codes_per_byte, pack_padded_codes, packed_size
-from fedddl.compression.parallel import chunk_units, run_in_chunks, run_units
+from fedddl.compression.backends.jit import jit_kernels
+from fedddl.compression.backends.packing import (
+    PACK_SLACK,
+    codes_per_byte,
+    pack_padded_codes,
+    packed_size,
+)
+from fedddl.compression.backends.parallel import chunk_units, run_in_chunks, run_units
 
 __all__ = [
     "CHUNK",
@@ -90,7 +95,7 @@ class RandomBits:
     def state_at(self, offset_values: int) -> np.ndarray:
         """The generator state ``offset_values`` values ahead (a multiple of 4), as the four
         ``uint64`` (state high, state low, increment high, increment low) that the
-        compiled kernels take (:mod:`fedddl.compression.kernels`)."""
+        compiled kernels take (:mod:`fedddl.compression.backends.kernels`)."""
         state = self._scratch(offset_values).state["state"]
         words = (state["state"] >> 64, state["state"], state["inc"] >> 64, state["inc"])
         return np.array([w & _LOW_64 for w in words], dtype=np.uint64)

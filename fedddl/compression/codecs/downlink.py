@@ -43,10 +43,10 @@ from collections.abc import Collection, Mapping, Sequence
 import numpy as np
 import torch
 
-from fedddl.compression.base import Compressor
-from fedddl.compression.errors import PayloadError
-from fedddl.compression.memory import Memory
-from fedddl.compression.wire import decode_update, encode_update
+from fedddl.compression.algorithms.base import Compressor
+from fedddl.compression.algorithms.memory import Memory
+from fedddl.compression.codecs.errors import PayloadError
+from fedddl.compression.codecs.wire import decode_update, encode_update
 from fedddl.framing import CRC, seal, unseal
 
 __all__ = [
@@ -203,7 +203,7 @@ def encode_bundle(
 
     Returns ``gradient`` itself when there is nothing else to send.
     """
-    from fedddl.compression.identity import IdentityCompressor
+    from fedddl.compression.algorithms.identity import IdentityCompressor
 
     sections: list[tuple[int, bytes]] = []
     if gradient is not None:
@@ -240,7 +240,7 @@ def add_statistics(update: bytes, statistics: Mapping[str, torch.Tensor] | None)
         return update
     if update[:1] != TAG_BUNDLE:
         return encode_bundle(update, statistics=statistics)
-    from fedddl.compression.identity import IdentityCompressor
+    from fedddl.compression.algorithms.identity import IdentityCompressor
 
     parts = _bundle_sections(update)
     if SECTION_STATISTICS in parts:

@@ -13,7 +13,7 @@ makes :func:`~fedddl.compression.encode_update` send this instead of a plain
     end-4   4     u32 CRC-32 (zlib's) of every preceding byte
 
     body:   u32 count, then the count entries and their data exactly as in
-            the FDTQ layout of :mod:`fedddl.compression.wire`
+            the FDTQ layout of :mod:`fedddl.compression.codecs.wire`
 
 The codes of real gradients are mostly zero (TernGrad's ``|g| / s`` is small
 for most values), so the base-3 bytes, 5 codes each, compress to about their
@@ -36,7 +36,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from fedddl.compression.errors import PayloadError
+from fedddl.compression.codecs.errors import PayloadError
 from fedddl.framing import CRC, BytesLike, check_crc, check_magic, crc32, crc32_of
 
 __all__ = ["MAGIC", "MAX_EXPANSION", "VERSION", "open_entropy_coded", "seal_entropy_coded"]
