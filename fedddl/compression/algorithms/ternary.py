@@ -69,7 +69,7 @@ class TernaryCompressor(Compressor):
     An instance owns one random stream: do not call :meth:`compress` on the
     same instance from several threads at once (use one instance per worker).
     Tensors off the CPU are ternarised and packed on their device with torch ops
-    (:mod:`fedddl.compression.backends.device_path`; its own seeded generator per device,
+    (:mod:`fedddl.compression.algorithms.ternary_device`; its own seeded generator per device,
     so stochastic codes differ from the CPU path's for the same seed); only the
     packed bytes and the statistics are copied to the host.
     """

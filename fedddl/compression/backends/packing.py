@@ -1,29 +1,15 @@
 """Packing of ternary codes into bytes, and the lookup tables that unpack them.
 
-Codes
------
-Each value is a 2-bit code: ``0b00`` = 0, ``0b01`` = +1, ``0b10`` = -1;
-``0b11`` is invalid.
+Each value is a code ``0`` = 0, ``1`` = +1, ``2`` = -1 (``0b11`` is invalid).
 
-``"2bit"`` codec (4 values per byte, 2 bits per value)
-    Value ``i`` lives in byte ``i // 4`` at bits ``2*(i % 4)`` and
-    ``2*(i % 4) + 1`` (value 0 in the least significant bits). The unused
-    trailing code slots of the last byte must be ``0b00``.
+``"2bit"`` (4 values per byte)
+    Value ``i`` lives in byte ``i // 4`` at bits ``2*(i % 4)`` and ``2*(i % 4) + 1``.
+``"base3"`` (5 values per byte, 1.6 bits per value)
+    Byte ``j`` holds values ``5j .. 5j+4`` as ``t0 + 3*t1 + 9*t2 + 27*t3 + 81*t4``
+    (bytes ``243..255`` are invalid).
 
-``"base3"`` codec (5 values per byte, 1.6 bits per value)
-    Each code is a trit ``t`` (``0``, ``1`` = +1, ``2`` = -1, the same numbers
-    as the 2-bit codes); byte ``j`` holds values ``5j .. 5j+4`` as
-    ``t0 + 3*t1 + 9*t2 + 27*t3 + 81*t4`` (so bytes ``243..255`` are invalid).
-    The unused trailing trits of the last byte must be 0.
-
-Both directions are vectorised and run on up to ``torch.get_num_threads()``
-threads (:mod:`fedddl.compression.backends.parallel`).  Packing multiplies words of
-codes by a constant that gathers every code of a byte into one place
-(4 code bytes as a ``uint32`` for 2-bit, 5 code bytes read as an unaligned
-``uint64`` for base-3); unpacking is a gather from a 256-entry table that
-already holds ``scale * value`` (4 or 5 floats per entry; the 4 floats of the
-2-bit table are gathered as one 16-byte ``complex128``).
-The host must be little-endian (checked at import).
+Unused trailing slots of the last byte must be zero. Both directions are vectorised and
+threaded (:mod:`.parallel`); the host must be little-endian (checked at import).
 """
 
 from __future__ import annotations

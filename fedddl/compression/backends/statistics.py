@@ -1,25 +1,11 @@
-"""One chunked, threaded pass computing what TernGrad needs of a tensor.
+"""One chunked, threaded pass computing what TernGrad needs of a tensor: ``max|g|`` and
+the population std.
 
-Per fixed-size chunk: min, max, sum and sum of squares; the chunk results are
-combined in chunk order in float64, so the statistics (hence the scaler and
-the codes) do not depend on the number of threads.
-
-Tensors of :data:`LANE_MIN_NUMEL` values or more are summed in float64 lanes
-instead: within a chunk value ``i`` goes to lane ``i mod 16`` (the last
-``size mod 16`` values continue lanes 0, 1, ..), each lane adds in order,
-squares are exact in float64, and all lane sums of all chunks are combined
-exactly (``math.fsum``).  That order is fixed, so the compiled kernel
-(:func:`fedddl.compression.backends.kernels.lane_statistics`, one vector pass) and
-the numpy fallback give the same bits, and it cannot overflow.  Smaller
-tensors keep the float32 ``einsum`` sums below (so small models' codes are
-those they always were).
-
-Overflow: the float32 sums of a chunk overflow for finite values beyond about
-``1.8e19`` (a square beyond the float32 range) or sums beyond ``3.4e38``. A
-tensor whose float32 sums overflow although its values are finite is summed
-again in float64 (``einsum`` in float64 cannot overflow on float32 inputs of
-up to ``2**31`` values), so every finite tensor has finite statistics; the
-float32 path, hence every result for ordinary values, is unchanged.
+Chunk results are combined in a fixed order in float64, so the statistics (hence the
+scaler and the codes) never depend on the number of threads. Tensors of
+:data:`LANE_MIN_NUMEL` values or more are summed in 16 float64 lanes combined exactly
+(the compiled kernel and numpy give the same bits); smaller ones in float32 chunks,
+summed again in float64 if those overflow, so every finite tensor has finite statistics.
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ def encode_update(
     Returns
     -------
     bytes or memoryview
-        The message (layout in the module docstring): ``bytes``, or a view of ``into``.
+        The message (layout: :mod:`.layout`): ``bytes``, or a view of ``into``.
 
     Raises
     ------
