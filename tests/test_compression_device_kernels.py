@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fedddl.compression.backends import device_kernels as kernels
-from fedddl.compression.backends.packing import pack_codes, packed_size, unpack_codes
+from fedddl.compression.backends.packing import pack_codes, packed_size
 from fedddl.compression.backends.ternarize import (
     CHUNK as CPU_CHUNK,
 )
@@ -20,6 +20,7 @@ from fedddl.compression.backends.ternarize import (
     ternarize_deterministic,
     ternarize_stochastic,
 )
+from fedddl.compression.backends.unpacking import unpack_codes
 from tests.support.device_guard import DeviceGuard, DeviceMixingError
 from tests.support.reference import python_pack
 

@@ -23,7 +23,8 @@ from fedddl.compression import (
     max_scales,
 )
 from fedddl.compression.backends import device_path
-from fedddl.compression.backends.packing import packed_size, unpack_codes
+from fedddl.compression.backends.packing import packed_size
+from fedddl.compression.backends.unpacking import unpack_codes
 from fedddl.models import cifar_resnet18
 
 pytestmark = [

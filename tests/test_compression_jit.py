@@ -19,8 +19,8 @@ from fedddl.compression import (
     encode_update,
 )
 from fedddl.compression.backends import jit
-from fedddl.compression.backends.packing import unpack_codes_batch, unpack_codes_new
 from fedddl.compression.backends.ternarize import CHUNK, RandomBits, ternarize_stochastic_batch
+from fedddl.compression.backends.unpacking import unpack_codes_batch, unpack_codes_new
 
 pytestmark = pytest.mark.skipif(not jit.available(), reason="numba is not installed")
 

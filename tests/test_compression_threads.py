@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from fedddl.compression import TernaryCompressor, TernaryPayload, pack_codes, unpack_codes
-from fedddl.compression.backends.packing import packed_size, unpack_codes_batch, unpack_codes_new
+from fedddl.compression.backends.packing import packed_size
 from fedddl.compression.backends.ternarize import CHUNK, PROBABILITY_BITS
+from fedddl.compression.backends.unpacking import unpack_codes_batch, unpack_codes_new
 
 # three ternariser chunks and a partial byte for both codecs
 _NUMEL = 3 * CHUNK + 7

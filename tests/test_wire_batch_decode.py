@@ -16,9 +16,8 @@ from fedddl.compression.backends.packing import (
     invalid_code_rows,
     invalid_codes,
     packed_size,
-    unpack_code_rows,
-    unpack_codes_into,
 )
+from fedddl.compression.backends.unpacking import unpack_code_rows, unpack_codes_into
 from fedddl.compression.codecs.wire import (
     OpenedMessage,
     decode_small_batch,

@@ -31,8 +31,9 @@ from fedddl.compression.algorithms.registry import (
 )
 from fedddl.compression.algorithms.sharing import local_scales, max_scales
 from fedddl.compression.algorithms.ternary import TernaryCompressor, TernaryEntropyCompressor
-from fedddl.compression.backends.packing import CODECS, pack_codes, unpack_codes
+from fedddl.compression.backends.packing import CODECS, pack_codes
 from fedddl.compression.backends.ternarize import PROBABILITY_BITS
+from fedddl.compression.backends.unpacking import unpack_codes
 from fedddl.compression.codecs.errors import PayloadError
 from fedddl.compression.codecs.message_buffer import MessageBuffer
 from fedddl.compression.codecs.wire import (

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from fedddl.compression.backends.device_kernels import unpack_codes as unpack_on_device
-from fedddl.compression.backends.packing import CODECS, unpack_codes
+from fedddl.compression.backends.packing import CODECS
+from fedddl.compression.backends.unpacking import unpack_codes
 
 __all__ = [
     "SUPPORTED_DTYPES",

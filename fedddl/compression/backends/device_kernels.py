@@ -1,5 +1,6 @@
 """TernGrad's kernels in plain torch ops, run on the device of their input: the
-device-generic counterparts of :mod:`.statistics`, :mod:`.ternarize` and :mod:`.packing`.
+device-generic counterparts of :mod:`.statistics`, :mod:`.ternarize`, :mod:`.packing`
+and :mod:`.unpacking`.
 
 No kernel copies to or from the host or waits for the device (no ``.item()``), so on a
 GPU they only queue work. Codes, packing, the deterministic rule and decoding are those of

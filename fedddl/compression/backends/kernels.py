@@ -4,7 +4,7 @@ Each kernel computes bit for bit what the numpy code beside its caller computes 
 :func:`pcg64dxsm_words` (numpy's ``PCG64DXSM.random_raw``), :func:`ternarize_pack` (the
 stochastic rule of :mod:`.ternarize` in float32, no fused multiply-add, fused with the
 random stream and packing), :func:`unpack_base3` / :func:`unpack_2bit` (the tables of
-:mod:`.packing`) and :func:`lane_statistics` (the float64 lanes of :mod:`.statistics`).
+:mod:`.unpacking`) and :func:`lane_statistics` (the float64 lanes of :mod:`.statistics`).
 All release the GIL, so the thread pool runs them in parallel.
 """
 

@@ -14,15 +14,15 @@ from fedddl.compression.algorithms.payload import (
     check_float_tensor,
 )
 from fedddl.compression.backends.device_path import unpack_into, unpacks_on_device
-from fedddl.compression.backends.packing import (
-    invalid_codes,
+from fedddl.compression.backends.packing import invalid_codes
+from fedddl.compression.backends.parallel import copy_bytes, copy_pieces
+from fedddl.compression.backends.unpacking import (
     is_small,
     unpack_codes,
     unpack_codes_batch,
     unpack_codes_into,
     unpack_codes_new,
 )
-from fedddl.compression.backends.parallel import copy_bytes, copy_pieces
 from fedddl.compression.codecs.errors import PayloadError
 from fedddl.compression.codecs.wire.header import Layout, as_view, validated_entries
 from fedddl.compression.codecs.wire.layout import (
@@ -190,7 +190,7 @@ def fits_small_path(
     out: Mapping[str, torch.Tensor],
 ) -> bool:
     """Whether every entry goes straight into a float32 CPU buffer, and the message is small
-    (:func:`~fedddl.compression.backends.packing.is_small`): ternary entries of any dtype (their
+    (:func:`~fedddl.compression.backends.unpacking.is_small`): ternary entries of any dtype (their
     values are computed in float32) and float32 dense ones."""
     numel = 0
     for name, dtype, kind, shape, _ in entries:

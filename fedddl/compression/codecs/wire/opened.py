@@ -12,11 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedddl.compression.backends.packing import (
-    invalid_code_rows,
-    is_small,
-    unpack_code_rows,
-)
+from fedddl.compression.backends.packing import invalid_code_rows
+from fedddl.compression.backends.unpacking import is_small, unpack_code_rows
 from fedddl.compression.codecs.errors import PayloadError
 from fedddl.compression.codecs.wire.decode import check_out, decode_layout, fits_small_path
 from fedddl.compression.codecs.wire.header import Layout, as_view, validated_entries
@@ -195,7 +192,7 @@ def decode_small_batch(
     Returns None, having decoded nothing, when the batch does not apply: fewer than two
     messages, a message in a mutable buffer, layouts that differ (names, dtypes, codecs,
     shapes, in order), a layout that ``like`` does not fit or that is not small
-    (:func:`~fedddl.compression.backends.packing.is_small`), or an invalid code or non-zero
+    (:func:`~fedddl.compression.backends.unpacking.is_small`), or an invalid code or non-zero
     padding in any message. Decode those one at a time with :meth:`OpenedMessage.decode`,
     which says what is wrong with which message.
     """
