@@ -124,9 +124,11 @@ def compression_graph() -> dict[str, set[str]]:
 
 
 def _layer(module: str) -> int:
-    """0, 1, 2 for the layers, 3 for the package's own modules."""
+    """0, 1, 2 for the layers (their packages included), 3 for the package's own modules."""
     parts = module.split(".")
-    return COMPRESSION_LAYERS.index(parts[2]) if len(parts) > 3 else len(COMPRESSION_LAYERS)
+    if len(parts) > 2 and parts[2] in COMPRESSION_LAYERS:
+        return COMPRESSION_LAYERS.index(parts[2])
+    return len(COMPRESSION_LAYERS)
 
 
 def compression_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
