@@ -22,11 +22,13 @@ from fedddl.compression.algorithms.payload import (
     check_float_tensor,
 )
 from fedddl.compression.backends import device_kernels, device_path
-from fedddl.compression.backends.device_path import ALIGN, DeviceGenerators
+from fedddl.compression.backends.device_path import DeviceGenerators
 from fedddl.compression.backends.packing import packed_size
 from fedddl.compression.backends.statistics import TensorStatistics
 
 __all__ = ["TernaryRule", "compress_batch"]
+
+_ALIGN = 8  # byte alignment of each tensor's slot in a transfer buffer (any dtype's itemsize)
 
 
 class TernaryRule(Protocol):
@@ -180,7 +182,7 @@ def _transfer(
     for item in queued:
         device = _device_of(item)
         item.offset = buffers.get(device, 0)
-        buffers[device] = item.offset + -(-item.nbytes // ALIGN) * ALIGN
+        buffers[device] = item.offset + -(-item.nbytes // _ALIGN) * _ALIGN
     on_device = {
         device: torch.zeros(size, dtype=torch.uint8, device=device)
         for device, size in buffers.items()

@@ -24,7 +24,6 @@ from fedddl.compression.backends import device_kernels as kernels
 from fedddl.compression.backends.statistics import TensorStatistics
 
 __all__ = [
-    "ALIGN",
     "NON_FINITE",
     "DeviceGenerators",
     "gather_to_host",
@@ -39,7 +38,6 @@ __all__ = [
 ]
 
 _FORCED: ContextVar[bool] = ContextVar("fedddl_torch_path_on_cpu", default=False)
-ALIGN = 8  # byte alignment of each tensor's slot in a transfer buffer (any dtype's itemsize)
 NON_FINITE = "tensor has NaN or Inf values (or values beyond float32 range)"
 # mixes the compressor's seed into the device generator's, so that a model seeded with the
 # same integer (torch.manual_seed(seed)) does not draw the same random numbers
