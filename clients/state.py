@@ -66,7 +66,7 @@ from torch import nn
 
 from clients.snapshot_files import FILE_KEYS, read_snapshot, write_snapshot
 from fedddl.compression import PayloadError, ResidualMemory
-from fedddl.compression.downlink import decode_broadcast_parts
+from fedddl.compression.codecs.downlink import decode_broadcast_parts
 from fedddl.flower.records import (
     array_to_bytes,
     bytes_to_array,

@@ -6,8 +6,8 @@ checkpoint file (which carries a SHA-256 of its body), ends with or carries a CR
 ========================================  ===============================================
 format                                    module
 ========================================  ===============================================
-compressed update (``FDTQ``)              :mod:`fedddl.compression.wire`
-shared-scale-sum downlink (``S``)         :mod:`fedddl.compression.downlink`
+compressed update (``FDTQ``)              :mod:`fedddl.compression.codecs.wire`
+shared-scale-sum downlink (``S``)         :mod:`fedddl.compression.codecs.downlink`
 gossip frame (``FGSP``)                   :mod:`fedddl.gossip.wire`
 server checkpoint (``FDDLCKPT``)          :mod:`fedddl.checkpoint`
 ========================================  ===============================================

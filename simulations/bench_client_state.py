@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from clients.state import load_state, save_state
     from fedddl.compression import get_compressor
-    from fedddl.compression.downlink import (
+    from fedddl.compression.codecs.downlink import (
         decode_broadcast_parts,
         encode_bundle,
         encode_reencoded,

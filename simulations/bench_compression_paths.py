@@ -25,7 +25,8 @@ from collections.abc import Callable
 
 import torch
 
-from fedddl.compression import TernaryCompressor, decode_update, device_path, encode_update
+from fedddl.compression import TernaryCompressor, decode_update, encode_update
+from fedddl.compression.backends import device_path
 from fedddl.models import cifar_resnet18
 
 

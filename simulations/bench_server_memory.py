@@ -40,7 +40,7 @@ def measure(count: int) -> dict[str, float]:
     import torch
 
     from fedddl.compression import encode_update, get_compressor
-    from fedddl.compression.identity import IdentityCompressor
+    from fedddl.compression.algorithms.identity import IdentityCompressor
     from fedddl.models import create_model
     from fedddl.running_stats import batchnorm_layers
     from fedddl.sync import ClientReply, ReplicaServer

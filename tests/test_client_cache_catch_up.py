@@ -25,7 +25,7 @@ from clients.client_app import make_client_app
 from clients.state import cached_replicas, extend_chain, load_state, save_state
 from fedddl.app_config import AppConfig
 from fedddl.compression import IdentityCompressor, encode_update
-from fedddl.compression.downlink import TAG_ENCODED, decode_broadcast_parts
+from fedddl.compression.codecs.downlink import TAG_ENCODED, decode_broadcast_parts
 from fedddl.replica import Replica
 from fedddl.sync.worker import WorkerState
 from strategies.server_app import run_server

@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from fedddl.compression.allocator import keep_freed_memory
+from fedddl.compression.backends.allocator import keep_freed_memory
 
 
 def test_takes_effect_on_glibc_and_changes_no_result() -> None:
     code = (
         "import torch\n"
         "from fedddl.compression import TernaryCompressor, decode_update, encode_update\n"
-        "from fedddl.compression.allocator import keep_freed_memory\n"
+        "from fedddl.compression.backends.allocator import keep_freed_memory\n"
         "x = {'w': torch.randn(3000, generator=torch.Generator().manual_seed(0))}\n"
         "before = encode_update(x, TernaryCompressor(seed=1))\n"
         "ok = keep_freed_memory()\n"

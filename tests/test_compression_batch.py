@@ -14,8 +14,8 @@ from fedddl.compression import (
     decode_update,
     encode_update,
 )
-from fedddl.compression.payload import Context, Payload
-from fedddl.compression.ternarize import CHUNK
+from fedddl.compression.algorithms.payload import Context, Payload
+from fedddl.compression.backends.ternarize import CHUNK
 
 
 def _tensors() -> list[torch.Tensor]:

@@ -10,18 +10,19 @@ import numpy as np
 import pytest
 import torch
 
-from fedddl.compression import device_kernels as kernels
-from fedddl.compression.packing import pack_codes, packed_size, unpack_codes
-from fedddl.compression.reference import python_pack
-from fedddl.compression.ternarize import (
+from fedddl.compression.backends import device_kernels as kernels
+from fedddl.compression.backends.packing import pack_codes, packed_size
+from fedddl.compression.backends.ternarize import (
     CHUNK as CPU_CHUNK,
 )
-from fedddl.compression.ternarize import (
+from fedddl.compression.backends.ternarize import (
     RandomBits,
     ternarize_deterministic,
     ternarize_stochastic,
 )
+from fedddl.compression.backends.unpacking import unpack_codes
 from tests.support.device_guard import DeviceGuard, DeviceMixingError
+from tests.support.reference import python_pack
 
 CODECS = ["2bit", "base3"]
 # lengths around every remainder mod 4 and 5, empty, and past a few whole groups

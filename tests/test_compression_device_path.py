@@ -23,13 +23,13 @@ from fedddl.compression import (
     TernaryCompressor,
     TernaryPayload,
     decode_update,
-    device_path,
     encode_update,
     local_scales,
     max_scales,
 )
-from fedddl.compression.packing import packed_size
-from fedddl.compression.wire import MAGIC
+from fedddl.compression.backends import device_path
+from fedddl.compression.backends.packing import packed_size
+from fedddl.compression.codecs.wire import MAGIC
 from tests.support.device_guard import DeviceGuard
 
 CODECS = ["2bit", "base3"]
@@ -164,7 +164,7 @@ def _level_tensor(repeats: int) -> torch.Tensor:
 
 def _fire_counts(packed: torch.Tensor, numel: int, codec: str, width: int) -> np.ndarray:
     """Per column of the repeated row: how often it fired, and with which sign."""
-    from fedddl.compression.packing import unpack_codes
+    from fedddl.compression.backends.unpacking import unpack_codes
 
     values = unpack_codes(packed, numel, 1.0, codec).numpy().reshape(-1, width)
     return np.stack([(values > 0).sum(0), (values < 0).sum(0)])

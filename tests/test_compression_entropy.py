@@ -21,7 +21,7 @@ from fedddl.compression import (
     make_compressor,
     max_scales,
 )
-from fedddl.compression import entropy as entropy_format
+from fedddl.compression.codecs import entropy as entropy_format
 
 
 def _sparse_update(seed: int = 0) -> dict[str, torch.Tensor]:

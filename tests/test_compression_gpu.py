@@ -18,12 +18,13 @@ from fedddl.compression import (
     TernaryCompressor,
     TernaryPayload,
     decode_update,
-    device_path,
     encode_update,
     local_scales,
     max_scales,
 )
-from fedddl.compression.packing import packed_size, unpack_codes
+from fedddl.compression.backends import device_path
+from fedddl.compression.backends.packing import packed_size
+from fedddl.compression.backends.unpacking import unpack_codes
 from fedddl.models import cifar_resnet18
 
 pytestmark = [

@@ -17,10 +17,10 @@ from fedddl.compression import (
     TernaryEntropyCompressor,
     decode_update,
     encode_update,
-    jit,
 )
-from fedddl.compression.packing import unpack_codes_batch, unpack_codes_new
-from fedddl.compression.ternarize import CHUNK, RandomBits, ternarize_stochastic_batch
+from fedddl.compression.backends import jit
+from fedddl.compression.backends.ternarize import CHUNK, RandomBits, ternarize_stochastic_batch
+from fedddl.compression.backends.unpacking import unpack_codes_batch, unpack_codes_new
 
 pytestmark = pytest.mark.skipif(not jit.available(), reason="numba is not installed")
 
@@ -138,14 +138,15 @@ def test_warm_up_compiles_the_kernels_in_this_process_and_keeps_the_mode() -> No
     import sys
 
     code = (
-        "import fedddl.compression.jit as jit\n"
-        "assert jit.warm_up()\n"
-        "from fedddl.compression import kernels as k\n"
+        "import fedddl.compression.backends.jit as jit\n"
+        "from fedddl.compression.warmup import warm_up\n"
+        "assert warm_up()\n"
+        "from fedddl.compression.backends import kernels as k\n"
         "assert k.ternarize_pack.signatures and k.unpack_base3.signatures\n"
         "assert k.unpack_2bit.signatures and k.lane_statistics.signatures\n"
         "assert jit._mode is None\n"  # the default mode is restored
         "jit.set_jit(False)\n"
-        "assert not jit.warm_up()\n"  # FEDDDL_JIT=0 / set_jit(False): nothing is compiled
+        "assert not warm_up()\n"  # FEDDDL_JIT=0 / set_jit(False): nothing is compiled
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -156,15 +157,15 @@ def test_fork_server_preload_calls_module_functions() -> None:
 
     from fedddl.deploy.warm_clientapp import preload_modules
 
-    preload_modules(["json", "fedddl.compression.jit:available"])
+    preload_modules(["json", "fedddl.compression.backends.jit:available"])
     with pytest.raises(AttributeError):
-        preload_modules(["fedddl.compression.jit:no_such_function"])
+        preload_modules(["fedddl.compression.backends.jit:no_such_function"])
     with pytest.raises(ImportError):
         preload_modules(["no_such_module_xyz"])
 
 
 def _statistics_batch() -> list[torch.Tensor]:
-    from fedddl.compression.statistics import LANE_MIN_NUMEL
+    from fedddl.compression.backends.statistics import LANE_MIN_NUMEL
 
     rng = np.random.default_rng(5)
     sizes = [LANE_MIN_NUMEL, LANE_MIN_NUMEL + 7, 3 * (1 << 18) + 5, 100]
@@ -180,7 +181,7 @@ def _statistics_batch() -> list[torch.Tensor]:
 def test_lane_statistics_kernel_matches_numpy_and_float64(threads: int, restore_jit: None) -> None:
     """Large tensors' sums in float64 lanes: the vector kernel, the numpy fallback and any
     number of threads give the same bits, close to an exact float64 reference."""
-    from fedddl.compression.statistics import tensor_statistics_batch
+    from fedddl.compression.backends.statistics import tensor_statistics_batch
 
     flats = _statistics_batch()
     results = {}
@@ -202,7 +203,7 @@ def test_lane_statistics_kernel_matches_numpy_and_float64(threads: int, restore_
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("mode", [False, True])
 def test_lane_statistics_name_non_finite_values(bad: float, mode: bool, restore_jit: None) -> None:
-    from fedddl.compression.statistics import tensor_statistics_batch
+    from fedddl.compression.backends.statistics import tensor_statistics_batch
 
     jit.set_jit(mode)
     flats = _statistics_batch()

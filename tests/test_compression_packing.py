@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fedddl.commands._bench_baselines import naive_pack
 from fedddl.compression import CODECS, pack_codes, unpack_codes
-from fedddl.compression.packing import find_invalid_codes, packed_size
-from fedddl.compression.reference import naive_pack, python_pack, python_unpack
+from fedddl.compression.backends.packing import find_invalid_codes, packed_size
+from tests.support.reference import python_pack, python_unpack
 
 _SIZES = [0, 1, 3, 4, 5, 7, 19, 20, 1001]
 

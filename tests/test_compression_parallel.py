@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from fedddl.compression.parallel import run_in_chunks, run_pipelined
+from fedddl.compression.backends.parallel import run_in_chunks, run_pipelined
 
 
 @pytest.mark.parametrize("numel", [0, 1, 9, 10, 11, 95])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fedddl.compression import IdentityCompressor, TernaryCompressor, TernaryPayload
-from fedddl.compression.reference import python_pack, reference_codes
+from tests.support.reference import python_pack, reference_codes
 
 
 def _sample_mean(

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from fedddl.compression import TernaryCompressor, TernaryPayload, pack_codes, unpack_codes
-from fedddl.compression.packing import packed_size, unpack_codes_batch, unpack_codes_new
-from fedddl.compression.ternarize import CHUNK, PROBABILITY_BITS
+from fedddl.compression.backends.packing import packed_size
+from fedddl.compression.backends.ternarize import CHUNK, PROBABILITY_BITS
+from fedddl.compression.backends.unpacking import unpack_codes_batch, unpack_codes_new
 
 # three ternariser chunks and a partial byte for both codecs
 _NUMEL = 3 * CHUNK + 7
@@ -28,7 +29,7 @@ def _reference_pack(codes: np.ndarray, codec: str) -> np.ndarray:
 
 
 def _reference_signs(values: np.ndarray, scale: float, seed: int) -> np.ndarray:
-    """TernGrad's rule of :mod:`fedddl.compression.ternarize`, in one unchunked pass."""
+    """TernGrad's rule of :mod:`fedddl.compression.backends.ternarize`, in one unchunked pass."""
     rand = np.random.PCG64DXSM(seed).random_raw(-(-values.size // 4)).view(np.uint16)
     factor = np.float32(float(1 << PROBABILITY_BITS) / scale)
     level = (np.abs(values) * factor - np.float32(0.5)).astype(np.float32)

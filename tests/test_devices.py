@@ -93,7 +93,7 @@ def test_broadcast_decodes_into_buffers_on_the_replica_device() -> None:
     """An ``E`` broadcast (alone or bundled with statistics) decodes into device buffers;
     on the CPU the values equal a host decode."""
     from fedddl.compression import get_compressor
-    from fedddl.compression.downlink import (
+    from fedddl.compression.codecs.downlink import (
         decode_broadcast_parts,
         encode_bundle,
         encode_reencoded,

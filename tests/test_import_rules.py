@@ -8,6 +8,10 @@
    re-exports of moved modules are the named exceptions below.
 4. ``fedddl/flower/`` imports neither ``strategies`` nor ``clients``, except the
    simulation runner, an entry point that builds both apps.
+5. ``fedddl/compression`` is layered: ``backends`` <- ``algorithms`` <- ``codecs`` <- the
+   package's own modules (the facade ``__init__`` and ``warmup``). A module imports only
+   from its own layer or a lower one, and the package's modules import one another
+   without a cycle (lazy and ``TYPE_CHECKING`` imports count).
 
 Imports are read from the syntax tree (``import x`` and ``from x import y``, at any depth,
 including the ones inside functions), so a violation fails here whatever the code path.
@@ -91,8 +95,97 @@ def violations() -> list[str]:
     return found
 
 
+COMPRESSION = "fedddl.compression"
+#: The layers of ``fedddl/compression``, lowest first; its own modules sit above them all.
+COMPRESSION_LAYERS = ("backends", "algorithms", "codecs")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def compression_graph() -> dict[str, set[str]]:
+    """The modules of ``fedddl/compression`` and, for each, the package's modules it imports
+    (``from a import b`` names module ``a.b`` when that is a module, else ``a``)."""
+    modules = {_module_name(p): p for p in sorted((ROOT / "fedddl/compression").rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                edges.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    edges.add(full if full in modules else node.module)
+        graph[name] = {e for e in edges if e in modules and e != name}
+    return graph
+
+
+def _layer(module: str) -> int:
+    """0, 1, 2 for the layers (their packages included), 3 for the package's own modules."""
+    parts = module.split(".")
+    if len(parts) > 2 and parts[2] in COMPRESSION_LAYERS:
+        return COMPRESSION_LAYERS.index(parts[2])
+    return len(COMPRESSION_LAYERS)
+
+
+def compression_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import cycle (strongly connected set of two or more modules), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(cycles)
+
+
+def compression_violations() -> list[str]:
+    """Imports against the layer order, and import cycles, inside ``fedddl/compression``."""
+    graph = compression_graph()
+    found = [
+        f"{module}: imports {target} (rule 5: layer order)"
+        for module, targets in sorted(graph.items())
+        for target in sorted(targets)
+        if _layer(target) > _layer(module)
+    ]
+    found += [f"import cycle: {' -> '.join(cycle)} (rule 5)" for cycle in compression_cycles(graph)]
+    return found
+
+
 def test_every_module_follows_the_import_rules() -> None:
     assert violations() == []
+
+
+def test_compression_is_layered_without_cycles() -> None:
+    graph = compression_graph()
+    assert {module.split(".")[2] for module in graph if module.count(".") > 2} == set(
+        COMPRESSION_LAYERS
+    )
+    assert compression_violations() == []
 
 
 def test_the_exceptions_exist() -> None:
@@ -126,3 +219,38 @@ def test_a_violation_is_caught(
     monkeypatch.setattr(Path, "read_text", read_text)
     found = violations()
     assert any(v.startswith(rel) and rule in v for v in found), found
+
+
+@pytest.mark.parametrize(
+    ("rel", "source", "expected"),
+    [
+        (  # a back end reaching up to the wire format
+            "fedddl/compression/backends/jit.py",
+            "def f():\n    from fedddl.compression.codecs.wire import encode_update\n",
+            "backends.jit: imports fedddl.compression.codecs.wire (rule 5: layer order)",
+        ),
+        (  # an algorithm reaching the facade
+            "fedddl/compression/algorithms/memory.py",
+            "from fedddl.compression import warm_up\n",
+            "algorithms.memory: imports fedddl.compression (rule 5: layer order)",
+        ),
+        (  # a cycle inside one layer, through a type-only import
+            "fedddl/compression/algorithms/base.py",
+            "if TYPE_CHECKING:\n    from fedddl.compression.algorithms.identity import X\n",
+            "import cycle: fedddl.compression.algorithms.base -> "
+            "fedddl.compression.algorithms.identity (rule 5)",
+        ),
+    ],
+)
+def test_a_compression_layer_violation_is_caught(
+    rel: str, source: str, expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = Path.read_text
+    target = ROOT / rel
+
+    def read_text(self: Path, *args: object, **kwargs: object) -> str:
+        text = original(self, *args, **kwargs)  # type: ignore[arg-type]
+        return text + "\n" + source if self == target else text
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    assert any(expected in v for v in compression_violations()), compression_violations()

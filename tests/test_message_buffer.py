@@ -15,9 +15,9 @@ from fedddl.compression import (
     TernaryEntropyCompressor,
     decode_update,
     encode_update,
-    jit,
 )
-from fedddl.compression.message_buffer import MessageBuffer, NonFiniteValues
+from fedddl.compression.backends import jit
+from fedddl.compression.codecs.message_buffer import MessageBuffer, NonFiniteValues
 
 
 @pytest.fixture(params=[False, True], ids=["numpy", "compiled"])
@@ -137,7 +137,7 @@ def test_the_threaded_crc_is_zlibs(threads: int) -> None:
     import os
     import zlib
 
-    from fedddl.compression.parallel import crc32_threaded
+    from fedddl.compression.backends.parallel import crc32_threaded
 
     del threads
     for size in (0, 5, (1 << 22) * 3 + 7):

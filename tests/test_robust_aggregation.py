@@ -16,7 +16,7 @@ from fedddl.compression import (
     encode_update,
     read_header,
 )
-from fedddl.compression.statistics import tensor_statistics
+from fedddl.compression.backends.statistics import tensor_statistics
 from fedddl.defenses import AGGREGATORS, Defenses
 from fedddl.sync import ClientReply, Contribution, running_mean
 from fedddl.sync.robust import (

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fedddl.compression import IdentityCompressor, PayloadError, TernaryCompressor
-from fedddl.compression.downlink import (
+from fedddl.compression.codecs.downlink import (
     decode_broadcast,
     encode_reencoded,
     encode_shared_sum,
@@ -89,7 +89,11 @@ def test_reencoded_identity_is_lossless_and_tagged() -> None:
 
 
 def test_add_statistics_extends_a_bundle_instead_of_nesting_it() -> None:
-    from fedddl.compression.downlink import add_statistics, decode_broadcast_parts, encode_bundle
+    from fedddl.compression.codecs.downlink import (
+        add_statistics,
+        decode_broadcast_parts,
+        encode_bundle,
+    )
 
     exact = encode_shared_sum({"w": torch.tensor([1, -2, 0])}, {"w": 0.5}, {"w": (3,)}, 2)
     bundle = encode_bundle(exact, dense={"b": torch.tensor([0.25])})

@@ -81,7 +81,7 @@ def test_user_strategy_and_compressor_by_name_run_end_to_end() -> None:
     strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=3)
     assert all(len(r.accepted) == 3 and r.replicas_equal for r in strategy.reports)
     # The broadcast is the re-encoded aggregate: every value is +-s or 0 per tensor.
-    from fedddl.compression.downlink import decode_broadcast
+    from fedddl.compression.codecs.downlink import decode_broadcast
 
     update = decode_broadcast(strategy.log.since(2)[0][1])
     for t in update.values():

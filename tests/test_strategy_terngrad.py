@@ -19,7 +19,7 @@ from clients.client_app import make_client_app
 from clients.state import load_state
 from fedddl.app_config import AppConfig
 from fedddl.compression import IdentityCompressor, encode_update
-from fedddl.compression.downlink import decode_broadcast_parts
+from fedddl.compression.codecs.downlink import decode_broadcast_parts
 from fedddl.flower.grid import CountingGrid
 from fedddl.flower.records import bytes_to_array
 from strategies.registry import build_strategy
@@ -162,7 +162,7 @@ def test_round_two_aggregate_is_the_mean_of_the_accepted_replies_only() -> None:
 
     strategy, _ = _run(cfg, nodes=3, rounds=2, tamper=tamper)
     from fedddl.compression import decode_update
-    from fedddl.compression.downlink import decode_broadcast
+    from fedddl.compression.codecs.downlink import decode_broadcast
 
     good = [decode_update(bytes(seen[n].content["update"]["payload"].data)) for n in (1001, 1002)]  # type: ignore[union-attr]
     expected = {k: (good[0][k] + good[1][k]) / 2 for k in good[0]}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedddl.compression import entropy as entropy_format
+from fedddl.compression.codecs import entropy as entropy_format
 from fedddl.sync import ReplicaServer
 from tests.test_sync_server import NODES, Cluster
 

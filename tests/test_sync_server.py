@@ -15,8 +15,8 @@ import torch
 
 from fedddl.app_config import AppConfig
 from fedddl.compression import OpenedMessage, decode_update, encode_update, get_compressor
-from fedddl.compression.downlink import decode_broadcast
-from fedddl.compression.wire import read_header
+from fedddl.compression.codecs.downlink import decode_broadcast
+from fedddl.compression.codecs.wire import read_header
 from fedddl.data import as_tensors, load_dataset
 from fedddl.partition import stratified_shards
 from fedddl.sync import (

@@ -17,7 +17,7 @@ from flwr.app import Message
 from clients.client_app import make_client_app
 from fedddl.app_config import AppConfig
 from fedddl.compression import decode_update
-from fedddl.compression.downlink import decode_broadcast_parts
+from fedddl.compression.codecs.downlink import decode_broadcast_parts
 from fedddl.data import as_tensors, load_dataset
 from fedddl.models import create_model
 from fedddl.partition import stratified_shards

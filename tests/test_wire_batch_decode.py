@@ -11,15 +11,14 @@ import pytest
 import torch
 
 from fedddl.compression import IdentityCompressor, PayloadError, TernaryCompressor
-from fedddl.compression.packing import (
+from fedddl.compression.backends.packing import (
     CODECS,
     invalid_code_rows,
     invalid_codes,
     packed_size,
-    unpack_code_rows,
-    unpack_codes_into,
 )
-from fedddl.compression.wire import (
+from fedddl.compression.backends.unpacking import unpack_code_rows, unpack_codes_into
+from fedddl.compression.codecs.wire import (
     OpenedMessage,
     decode_small_batch,
     encode_update,

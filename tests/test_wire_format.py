@@ -18,7 +18,7 @@ from fedddl.compression import (
     decode_update,
     encode_update,
 )
-from fedddl.compression.reference import python_pack
+from tests.support.reference import python_pack
 
 
 def _tensors() -> dict[str, torch.Tensor]:

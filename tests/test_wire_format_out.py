@@ -15,7 +15,7 @@ from fedddl.compression import (
     decode_update,
     encode_update,
 )
-from fedddl.compression.packing import packed_size
+from fedddl.compression.backends.packing import packed_size
 
 
 def _update() -> dict[str, torch.Tensor]:
@@ -122,13 +122,13 @@ def test_out_must_be_a_mapping_of_float_tensors() -> None:
 def test_small_messages_decode_to_the_same_bits_as_the_batched_path(
     codec: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fedddl.compression import packing
+    from fedddl.compression.backends import unpacking
 
     update = _update()
     data = encode_update(update, TernaryCompressor(seed=4, min_numel=11, codec=codec))
     small_out = decode_update(data, out=_buffers(update))
     small_new = decode_update(data)
-    monkeypatch.setattr(packing, "_SMALL_NUMEL", 0)  # every message takes the batched path
+    monkeypatch.setattr(unpacking, "_SMALL_NUMEL", 0)  # every message takes the batched path
     batched_out = decode_update(data, out=_buffers(update))
     batched_new = decode_update(data)
     for name in update:
@@ -140,7 +140,8 @@ def test_small_messages_decode_to_the_same_bits_as_the_batched_path(
 def test_an_opened_message_decodes_without_reading_its_header_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from fedddl.compression import open_message, wire
+    from fedddl.compression import open_message
+    from fedddl.compression.codecs.wire import header as wire
 
     update = _update()
     data = encode_update(update, TernaryCompressor(seed=5, min_numel=11))

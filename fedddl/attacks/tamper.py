@@ -30,8 +30,8 @@ from fedddl.compression import (
     pack_codes,
     read_header,
 )
-from fedddl.compression.packing import CODE_MINUS, CODE_PLUS, CODE_ZERO
-from fedddl.compression.wire import FORMAT_VERSION, MAGIC
+from fedddl.compression.backends.packing import CODE_MINUS, CODE_PLUS, CODE_ZERO
+from fedddl.compression.codecs.wire import FORMAT_VERSION, MAGIC
 from fedddl.sync.messages import ClientReply
 
 __all__ = ["MANY_TENSORS", "many_tensors_payload", "rewrite_payload", "tamper_reply"]
@@ -139,7 +139,7 @@ def _dense(tensor: torch.Tensor, attack: Attack) -> torch.Tensor:
 def many_tensors_payload() -> bytes:
     """A valid message of :data:`MANY_TENSORS` one-element ternary tensors (built once).
 
-    Written byte by byte in the layout of :mod:`fedddl.compression.wire` (the same bytes
+    Written byte by byte in the layout of :mod:`fedddl.compression.codecs.wire` (the same bytes
     :func:`encode_update` gives for ``{"t<i>": [1.0]}`` at scale 1, 2-bit codes, which
     takes a minute in Python for 65,536 tensors): entries ``"t<i>"``, float32, 2-bit, shape
     ``(1,)``, scale 1.0, each one data byte holding code +1.

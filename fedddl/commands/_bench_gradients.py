@@ -105,7 +105,7 @@ def _row(model: str, grads: dict[str, torch.Tensor], seed: int) -> dict[str, Any
         decode_update,
         encode_update,
     )
-    from fedddl.compression.packing import packed_size
+    from fedddl.compression.backends.packing import packed_size
 
     numel = sum(g.numel() for g in grads.values())
     two_bit = encode_update(grads, TernaryCompressor(seed=seed))

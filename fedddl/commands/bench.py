@@ -9,7 +9,7 @@ Targets:
     sees the same machine load: two memory copies of the same tensors (into
     new tensors, ``clone()``, and into warm buffers, ``copy_``), the naive
     reference (``torch.rand`` TernGrad + straightforward packing), GRACE's
-    TernGrad compress and decompress (:mod:`fedddl.compression.reference`),
+    TernGrad compress and decompress (:mod:`fedddl.commands._bench_baselines`),
     ``encode_update`` / ``decode_update`` with the 2-bit, base-3 and
     entropy-coded ternary codecs (decoding into new tensors, and with
     ``out=`` into warm, reused buffers) and with the fp32 identity codec.
@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--keep-freed-memory",
         action="store_true",
-        help="let glibc reuse freed large blocks (fedddl.compression.allocator) before "
+        help="let glibc reuse freed large blocks (fedddl.compression.backends.allocator) before "
         "measuring: no first-touch page faults for new messages and tensors",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -115,18 +115,18 @@ def _cases(update: dict[str, Any], seed: int) -> list[Case]:
     """``(name, action, message bytes, reference case)`` of every timed case."""
     import torch
 
+    from fedddl.commands._bench_baselines import (
+        grace_terngrad_compress,
+        grace_terngrad_decompress,
+        naive_pack,
+        naive_ternarize,
+    )
     from fedddl.compression import (
         IdentityCompressor,
         TernaryCompressor,
         TernaryEntropyCompressor,
         decode_update,
         encode_update,
-    )
-    from fedddl.compression.reference import (
-        grace_terngrad_compress,
-        grace_terngrad_decompress,
-        naive_pack,
-        naive_ternarize,
     )
 
     tensors = list(update.values())
@@ -163,7 +163,7 @@ def _cases(update: dict[str, Any], seed: int) -> list[Case]:
             None,
         ),
     ]
-    from fedddl.compression.message_buffer import MessageBuffer
+    from fedddl.compression.codecs.message_buffer import MessageBuffer
 
     buffers = {label: MessageBuffer() for label in compressors}  # warm: one per codec
     for label, compressor in compressors.items():
@@ -306,8 +306,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import torch
 
-    from fedddl.compression import jit
-    from fedddl.compression.allocator import keep_freed_memory
+    from fedddl.compression.backends import jit
+    from fedddl.compression.backends.allocator import keep_freed_memory
 
     kept = keep_freed_memory() if args.keep_freed_memory else False
     if args.threads:

@@ -5,32 +5,38 @@ Usage::
     from fedddl.compression import TernaryCompressor, ResidualMemory, encode_update, decode_update
     data = encode_update(model_gradients, TernaryCompressor(seed=0), ResidualMemory())
     grads = decode_update(data)      # raises PayloadError on bad input
+
+Three layers, imports pointing one way (``backends`` <- ``algorithms`` <- ``codecs``):
+:mod:`.backends` (numpy, numba, torch and thread kernels), :mod:`.algorithms`
+(compressors, memories, payloads, the registry), :mod:`.codecs` (the update message,
+downlink formats, entropy coding). This module re-exports the public API.
 """
 
-from fedddl.compression.base import Compressor
-from fedddl.compression.errors import PayloadError
-from fedddl.compression.identity import IdentityCompressor
-from fedddl.compression.memory import Memory, NoMemory, ResidualMemory
-from fedddl.compression.message_buffer import MessageBuffer
-from fedddl.compression.packing import CODECS, pack_codes, unpack_codes
-from fedddl.compression.payload import (
+from fedddl.compression.algorithms.base import Compressor
+from fedddl.compression.algorithms.identity import IdentityCompressor
+from fedddl.compression.algorithms.memory import Memory, NoMemory, ResidualMemory
+from fedddl.compression.algorithms.payload import (
     SUPPORTED_DTYPES,
     Context,
     DensePayload,
     Payload,
     TernaryPayload,
 )
-from fedddl.compression.registry import (
+from fedddl.compression.algorithms.registry import (
     available_compressors,
     get_compressor,
     is_ternary,
     make_compressor,
     register_compressor,
 )
-from fedddl.compression.sharing import local_scales, max_scales
-from fedddl.compression.ternarize import PROBABILITY_BITS
-from fedddl.compression.ternary import TernaryCompressor, TernaryEntropyCompressor
-from fedddl.compression.wire import (
+from fedddl.compression.algorithms.sharing import local_scales, max_scales
+from fedddl.compression.algorithms.ternary import TernaryCompressor, TernaryEntropyCompressor
+from fedddl.compression.backends.packing import CODECS, pack_codes
+from fedddl.compression.backends.ternarize import PROBABILITY_BITS
+from fedddl.compression.backends.unpacking import unpack_codes
+from fedddl.compression.codecs.errors import PayloadError
+from fedddl.compression.codecs.message_buffer import MessageBuffer
+from fedddl.compression.codecs.wire import (
     FORMAT_VERSION,
     MAGIC,
     EntryHeader,
@@ -40,6 +46,7 @@ from fedddl.compression.wire import (
     open_message,
     read_header,
 )
+from fedddl.compression.warmup import warm_up
 
 __all__ = [
     "CODECS",
@@ -75,4 +82,5 @@ __all__ = [
     "read_header",
     "register_compressor",
     "unpack_codes",
+    "warm_up",
 ]

@@ -63,7 +63,7 @@ FAST_SUPEREXEC_POLL_INTERVAL_S = 0.1
 #: SuperNode idle message poll the harness uses (Flower's hard-coded value is 3 s).
 FAST_SUPERNODE_POLL_INTERVAL_S = 0.2
 #: Modules the warm ClientApp fork server imports up front by default.
-WARM_CLIENTAPP_PRELOAD: tuple[str, ...] = ("torch", "fedddl.compression.jit:warm_up")
+WARM_CLIENTAPP_PRELOAD: tuple[str, ...] = ("torch", "fedddl.compression.warmup:warm_up")
 
 _SUPERNODE_READY = re.compile(r"SuperNode ID: (\d+)")
 

@@ -190,7 +190,7 @@ def serve(
     preload : sequence of str
         Modules to import once before serving (besides ``entry``'s module); an entry
         ``module:function`` also calls that function (no arguments) after the import,
-        e.g. ``fedddl.compression.jit:warm_up`` to compile the compression kernels once
+        e.g. ``fedddl.compression.warmup:warm_up`` to compile the compression kernels once
         instead of in every forked child.
     entry : str
         ``module:function`` each forked child runs with the shim's ``sys.argv``;

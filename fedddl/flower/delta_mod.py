@@ -35,7 +35,7 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode
 
 from fedddl.compression import ResidualMemory, decode_update, encode_update
-from fedddl.compression.registry import make_compressor
+from fedddl.compression.algorithms.registry import make_compressor
 from fedddl.flower.delta_protocol import (
     DELTA,
     DELTA_KEY,

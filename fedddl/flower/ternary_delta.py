@@ -48,7 +48,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedddl.compression import PayloadError, decode_update, encode_update
-from fedddl.compression.registry import make_compressor
+from fedddl.compression.algorithms.registry import make_compressor
 from fedddl.flower.delta_protocol import (
     DELTA,
     DELTA_KEY,

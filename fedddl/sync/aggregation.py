@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fedddl.compression.downlink import ternary_codes
+from fedddl.compression.codecs.downlink import ternary_codes
 from fedddl.running_stats import StatisticsPool
 from fedddl.sync.messages import ClientReply
 

@@ -20,7 +20,7 @@ import torch
 
 from fedddl.checkpoint import CheckpointError, ServerCheckpoint
 from fedddl.compression import PayloadError, ResidualMemory
-from fedddl.compression.downlink import decode_broadcast
+from fedddl.compression.codecs.downlink import decode_broadcast
 from fedddl.replica import Replica, ReplicaError, UpdateLog
 
 __all__ = ["Restored", "capture", "load"]

@@ -60,14 +60,14 @@ from fedddl.compression import (
     is_ternary,
 )
 from fedddl.compression import make_compressor as build_compressor
-from fedddl.compression.downlink import (
+from fedddl.compression.codecs.downlink import (
     add_statistics,
     decode_broadcast_parts,
     encode_bundle,
     encode_reencoded,
     encode_shared_sum,
 )
-from fedddl.compression.wire import decode_small_batch
+from fedddl.compression.codecs.wire import decode_small_batch
 from fedddl.defenses import Defenses
 from fedddl.lr_decay import NO_DECAY, StepDecay
 from fedddl.replica import CatchUp, Replica, ReplicaError, UpdateLog, plan_catch_up

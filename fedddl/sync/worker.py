@@ -29,7 +29,7 @@ from fedddl.compression import (
     local_scales,
     make_compressor,
 )
-from fedddl.compression.downlink import decode_broadcast_parts
+from fedddl.compression.codecs.downlink import decode_broadcast_parts
 from fedddl.replica import Replica, ReplicaError
 from fedddl.running_stats import record_batch_statistics
 from fedddl.seeding import derive_seed

@@ -1,32 +1,21 @@
-"""Entropy-coded update messages: the wire format's body through zstd.
+"""Entropy-coded update messages (``FDTE``): the update message's body through zstd.
 
-A compressor whose ``entropy_coding`` is ``"zstd"`` (``ternary-entropy``)
-makes :func:`~fedddl.compression.encode_update` send this instead of a plain
-``FDTQ`` message whenever it is smaller.  Byte layout (little-endian)::
+A compressor whose ``entropy_coding`` is ``"zstd"`` makes
+:func:`~fedddl.compression.encode_update` send this instead of the plain ``FDTQ`` message
+whenever it is smaller. Byte layout (little-endian)::
 
-    offset  size  field
     0       4     magic  b"FDTE"
     4       1     version = 1
     5       1     flags = 0 (reserved)
-    6       ...   one zstd frame (RFC 8878) without its magic number, with its
-                  content size, without a checksum; its content is the body
+    6       ...   one zstd frame (RFC 8878) without its magic number, with its content
+                  size, without a checksum; its content is the body
     end-4   4     u32 CRC-32 (zlib's) of every preceding byte
 
-    body:   u32 count, then the count entries and their data exactly as in
-            the FDTQ layout of :mod:`fedddl.compression.wire`
+    body:   u32 count, then the entries and their data as in
+            :mod:`fedddl.compression.codecs.wire.layout`
 
-The codes of real gradients are mostly zero (TernGrad's ``|g| / s`` is small
-for most values), so the base-3 bytes, 5 codes each, compress to about their
-empirical entropy with zstd's Huffman-coded literals, and runs (dead units,
-unused inputs) compress further with its matches.  Bodies under 64 KiB
-(small models) use zstd level 19, larger ones level 1 (hundreds of MB/s).
-
-Decoding is bounded before anything is allocated: the frame's content size
-must be at most :data:`MAX_EXPANSION` times the message size, the frame must
-end exactly at the CRC, and its content must have exactly the declared size.
-The encoder falls back to the plain format when this bound or the size
-would not be met, so ``ternary-entropy`` messages are never larger than
-``ternary-base3`` ones.
+Decoding is bounded before anything is allocated: the content size is at most
+:data:`MAX_EXPANSION` times the message size, and the frame ends exactly at the CRC.
 """
 
 from __future__ import annotations
@@ -36,7 +25,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from fedddl.compression.errors import PayloadError
+from fedddl.compression.codecs.errors import PayloadError
 from fedddl.framing import CRC, BytesLike, check_crc, check_magic, crc32, crc32_of
 
 __all__ = ["MAGIC", "MAX_EXPANSION", "VERSION", "open_entropy_coded", "seal_entropy_coded"]

@@ -1,30 +1,12 @@
-"""TernGrad's kernels in plain torch ops, run on the device of their input.
+"""TernGrad's kernels in plain torch ops, run on the device of their input: the
+device-generic counterparts of :mod:`.statistics`, :mod:`.ternarize`, :mod:`.packing`
+and :mod:`.unpacking`.
 
-These are the device-generic counterparts of :mod:`fedddl.compression.statistics`,
-:mod:`fedddl.compression.ternarize` and :mod:`fedddl.compression.packing` (the threaded
-numpy path, which stays the CPU's).  Every kernel allocates on, and only reads from, the
-device of its input; none of them copies to or from the host or waits for the device
-(no ``.item()``, ``.cpu()``, ``bool(tensor)``), so on a GPU they only queue work.  The
-caller (:mod:`fedddl.compression.device_path`) moves the few values it needs to the host.
-
-Same arithmetic as the numpy path
----------------------------------
-* Codes and packing: the byte layout of :mod:`fedddl.compression.packing` exactly
-  (``0`` = 0, ``1`` = +1, ``2`` = -1; 4 codes per byte at bits ``2*(i % 4)``, or 5 trits
-  per byte as ``t0 + 3 t1 + 9 t2 + 27 t3 + 81 t4``; unused trailing slots zero).
-* Stochastic rounding: for an element ``g`` with scaler ``s``, ``a = min(|g| * f, L) - 1/2``
-  in float32 with ``f = float32(2**16 / s)`` and ``L = float32(clip * f)``; the element
-  fires iff ``a > r`` for a uniform integer ``r`` in ``0 .. 2**16 - 1``.  So the firing
-  probability is ``|g| / s`` rounded to a multiple of ``2**-16``, exactly as on the CPU;
-  only the source of ``r`` differs (a seeded :class:`torch.Generator` on the device, drawn
-  in chunks of :data:`CHUNK` values, instead of numpy's PCG64DXSM).
-* Deterministic mode: fires iff ``|g| > float32(threshold * s)`` (and the clip bound is
-  above that cut), as on the CPU: bit-identical codes for equal inputs and scale.
-* Decoding: ``float32(s) * code`` in float32, then cast to the output dtype.
-
-Statistics are reduced in float64 (per-chunk ``var_mean`` combined with the parallel
-formula), so they cannot overflow for any finite float32 input; they agree with the numpy
-path's float32-chunk sums to rounding error, not bit for bit (see :func:`statistics`).
+No kernel copies to or from the host or waits for the device (no ``.item()``), so on a
+GPU they only queue work. Codes, packing, the deterministic rule and decoding are those of
+the numpy path bit for bit; stochastic rounding uses the same float32 rule with ``r`` from
+a seeded :class:`torch.Generator` (in chunks of :data:`CHUNK`); statistics are reduced in
+float64 and agree with the numpy path's to rounding error.
 """
 
 from __future__ import annotations
@@ -32,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedddl.compression.packing import codes_per_byte, packed_size
+from fedddl.compression.backends.packing import codes_per_byte, packed_size
 
 __all__ = [
     "CHUNK",
@@ -150,7 +132,7 @@ def pack_codes(codes: torch.Tensor, codec: str, out: torch.Tensor | None = None)
     codec:
         ``"2bit"`` or ``"base3"``.
     out:
-        Optional 1-D ``uint8`` tensor of :func:`~fedddl.compression.packing.packed_size`
+        Optional 1-D ``uint8`` tensor of :func:`~fedddl.compression.backends.packing.packed_size`
         bytes on the same device to write into.
 
     Returns

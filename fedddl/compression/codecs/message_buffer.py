@@ -1,15 +1,9 @@
-"""A reusable byte buffer that messages are encoded into, instead of new ``bytes``.
+"""A reusable byte buffer that messages are encoded into
+(``encode_update(..., into=buffer)``) instead of new ``bytes``, so a process that encodes
+large messages one after another keeps its pages mapped instead of faulting in fresh ones.
 
-A new message of tens of megabytes is a fresh memory mapping, and every 4 KiB page of
-it faults in on first touch: on the 2-vCPU VMs of this project that costs several times
-the copy itself (a 45 MB ``bytes`` took 23 ms to fill, a warm buffer 2.7 ms).  A process
-that encodes one large message after another (a client, a peer, a benchmark) keeps one
-:class:`MessageBuffer` and passes it as ``encode_update(..., into=buffer)``; the buffer
-grows to the largest message and its pages stay mapped.
-
-The returned view is valid until the next message is written into the same buffer:
-send or copy it before encoding the next one.  A buffer holds one message at a time, so
-threads that encode concurrently each keep their own.
+The returned view is valid until the next message is written into the same buffer; a
+buffer holds one message at a time, so concurrent encoders each keep their own.
 """
 
 from __future__ import annotations
@@ -20,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from fedddl.compression.identity import all_finite_array
-from fedddl.compression.jit import jit_kernels
-from fedddl.compression.parallel import run_units
+from fedddl.compression.backends.jit import jit_kernels
+from fedddl.compression.backends.parallel import run_units
+from fedddl.compression.backends.statistics import all_finite_array
 from fedddl.framing import CRC, crc32, crc32_combine
 
 __all__ = ["MessageBuffer", "NonFiniteValues"]

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fedddl.compression.payload import Context, Payload, decompress_payload
+from fedddl.compression.algorithms.payload import Context, Payload, decompress_payload
 
 __all__ = ["Compressor"]
 
@@ -32,7 +32,7 @@ class Compressor(ABC):
     ternary: bool = False
 
     #: Entropy coding of the whole message by :func:`~fedddl.compression.encode_update`:
-    #: ``""`` (none) or ``"zstd"`` (format in :mod:`fedddl.compression.entropy`).
+    #: ``""`` (none) or ``"zstd"`` (format in :mod:`fedddl.compression.codecs.entropy`).
     entropy_coding: str = ""
 
     @abstractmethod

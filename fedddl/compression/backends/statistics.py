@@ -1,25 +1,11 @@
-"""One chunked, threaded pass computing what TernGrad needs of a tensor.
+"""One chunked, threaded pass computing what TernGrad needs of a tensor: ``max|g|`` and
+the population std.
 
-Per fixed-size chunk: min, max, sum and sum of squares; the chunk results are
-combined in chunk order in float64, so the statistics (hence the scaler and
-the codes) do not depend on the number of threads.
-
-Tensors of :data:`LANE_MIN_NUMEL` values or more are summed in float64 lanes
-instead: within a chunk value ``i`` goes to lane ``i mod 16`` (the last
-``size mod 16`` values continue lanes 0, 1, ..), each lane adds in order,
-squares are exact in float64, and all lane sums of all chunks are combined
-exactly (``math.fsum``).  That order is fixed, so the compiled kernel
-(:func:`fedddl.compression.kernels.lane_statistics`, one vector pass) and
-the numpy fallback give the same bits, and it cannot overflow.  Smaller
-tensors keep the float32 ``einsum`` sums below (so small models' codes are
-those they always were).
-
-Overflow: the float32 sums of a chunk overflow for finite values beyond about
-``1.8e19`` (a square beyond the float32 range) or sums beyond ``3.4e38``. A
-tensor whose float32 sums overflow although its values are finite is summed
-again in float64 (``einsum`` in float64 cannot overflow on float32 inputs of
-up to ``2**31`` values), so every finite tensor has finite statistics; the
-float32 path, hence every result for ordinary values, is unchanged.
+Chunk results are combined in a fixed order in float64, so the statistics (hence the
+scaler and the codes) never depend on the number of threads. Tensors of
+:data:`LANE_MIN_NUMEL` values or more are summed in 16 float64 lanes combined exactly
+(the compiled kernel and numpy give the same bits); smaller ones in float32 chunks,
+summed again in float64 if those overflow, so every finite tensor has finite statistics.
 """
 
 from __future__ import annotations
@@ -27,14 +13,21 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from fedddl.compression.jit import jit_kernels
-from fedddl.compression.parallel import chunk_units, run_units
+from fedddl.compression.backends.jit import jit_kernels
+from fedddl.compression.backends.parallel import chunk_units, run_units
 
-__all__ = ["LANE_MIN_NUMEL", "TensorStatistics", "tensor_statistics", "tensor_statistics_batch"]
+__all__ = [
+    "LANE_MIN_NUMEL",
+    "TensorStatistics",
+    "all_finite_array",
+    "tensor_statistics",
+    "tensor_statistics_batch",
+]
 
 #: Elements per chunk of the reductions.  Fixed, because the float32 sums within a chunk
 #: (hence the clip bound, the scale and the codes) depend on where chunks start.
@@ -43,7 +36,7 @@ CHUNK = 1 << 18
 _CANCELLATION_GUARD = 1e-3
 #: Tensors with at least this many values are summed in float64 lanes (see above).
 LANE_MIN_NUMEL = 1 << 16
-_LANES = 16  # fedddl.compression.kernels.LANES (not imported: numba is optional)
+_LANES = 16  # fedddl.compression.backends.kernels.LANES (not imported: numba is optional)
 
 
 @dataclass(frozen=True)
@@ -129,7 +122,7 @@ def tensor_statistics_batch(
 
 
 def _lane_statistics(chunk: np.ndarray, out: np.ndarray) -> None:
-    """numpy's :func:`fedddl.compression.kernels.lane_statistics`, bit for bit (a
+    """numpy's :func:`fedddl.compression.backends.kernels.lane_statistics`, bit for bit (a
     reduction over axis 0 adds the rows in order, one lane per column)."""
     wide = chunk.astype(np.float64)
     whole = wide.size - wide.size % _LANES
@@ -191,3 +184,17 @@ def _combine(
         wide = values.astype(np.float64)
         total, total_square = float(wide.sum()), float(np.dot(wide, wide))
     return TensorStatistics(peak, _std(values, total, total_square))
+
+
+def all_finite_array(values: np.ndarray[Any, Any]) -> bool:
+    """Whether every value of a float32/float64 array is finite, in one read and no
+    temporary array.
+
+    A NaN or an infinity makes the sum NaN or infinite, so a finite sum proves every
+    value finite (numpy's SIMD sum; ``add.reduce``, not ``einsum``, whose call costs
+    ~10 us on a model's many small tensors); only a non-finite sum (or an overflow of
+    finite values) needs the exact test.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow/NaN are what we test
+        total = float(np.add.reduce(values))
+    return math.isfinite(total) or bool(np.isfinite(values).all())

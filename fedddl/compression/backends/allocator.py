@@ -1,17 +1,7 @@
-"""Opt-in: let glibc reuse freed large blocks instead of returning them to the kernel.
-
-Every message of a large model is a new ``bytes`` object (and every decoded
-tensor a new tensor).  glibc serves blocks above its mmap threshold (at most
-32 MiB by default) with a fresh ``mmap`` and unmaps them when freed, so each
-round's message first-touches every 4 KiB page again; the kernel's page
-faults, not the copy, then bound encode and decode speed (``fedddl bench
-compression`` shows it: a fresh ``clone()`` against a warm ``copy_``).
-
-:func:`keep_freed_memory` raises glibc's mmap and trim thresholds so freed
-blocks stay in the heap and the next message of the same size reuses warm
-pages.  The process then keeps its peak heap instead of returning it: call it
-in a long-running worker or server that sends large messages every round, not
-in a library.  It changes no result.
+"""Opt-in: let glibc keep freed large blocks in the heap (raised mmap and trim
+thresholds), so that each round's large message reuses warm pages instead of faulting in
+fresh ones. The process then keeps its peak heap: call :func:`keep_freed_memory` in a
+long-running worker or server, not in a library. It changes no result.
 """
 
 from __future__ import annotations

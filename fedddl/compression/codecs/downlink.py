@@ -1,36 +1,23 @@
-"""The broadcast (downlink) update formats, shared by the server and every client.
-
-Two formats, told apart by the first byte:
+"""The broadcast (downlink) update formats, shared by the server and every client; the
+first byte tells them apart (all integers little-endian):
 
 ``b"E"`` + :func:`fedddl.compression.encode_update` bytes
-    The aggregate re-encoded with a compressor (``downlink = "reternarize"``: the
-    ternary compressor with server-side error feedback; GradientAverage: fp32 identity).
-
-``b"S"`` shared-scale sum (``downlink = "shared-scale-sum"``)
-    When all N contributing clients ternarised tensor ``k`` with the same scale
-    ``s_k``, the sum of their codes is an integer in ``[-N, N]``; it is sent as
-    ``sum + N`` in ``ceil(log2(2N + 1))`` bits per value and decodes to
-    ``s_k * sum / N``: exactly the mean of the clients' decoded gradients, with no
-    second quantisation. Layout (little-endian)::
+    The aggregate re-encoded with a compressor (``reternarize``, or the fp32 identity).
+``b"S"`` shared-scale sum (``shared-scale-sum``)
+    When all N clients ternarised tensor ``k`` with the same scale ``s_k``, the sum of
+    their codes (in ``[-N, N]``) is sent as ``sum + N`` in ``ceil(log2(2N + 1))`` bits
+    and decodes to ``s_k * sum / N``, the exact mean of their decoded gradients::
 
         b"S", u16 N, u32 count,
         count x (u16 name length, name, u8 ndim, ndim x u32 dims, f32 scale, u8 bits),
         packed data of every entry (ceil(numel * bits / 8) bytes each), u32 crc32
-
 ``b"B"`` bundle (only when there is more than a gradient to send)
-    Sections of the broadcast: the ternary gradient as a ``b"E"``/``b"S"`` broadcast, the
-    gradients of tensors exempt from ternarisation in fp32 (``fp32-min-numel``,
-    ``fp32-logits``), and the round's pooled BatchNorm statistics
-    (:mod:`fedddl.running_stats`); the last two are :func:`encode_update` bytes of the
-    identity compressor. Layout (little-endian)::
+    ``b"B", u8 count, count x (u8 kind, u64 length, bytes), u32 crc32`` with kinds 1
+    (the gradient as ``E``/``S``), 2 (fp32 gradients of exempt tensors), 3 (pooled
+    BatchNorm statistics), each at most once, in that order; 2 and 3 are identity
+    :func:`encode_update` bytes.
 
-        b"B", u8 count, count x (u8 kind, u64 length, bytes), u32 crc32
-
-    with kinds 1 (gradient broadcast), 2 (fp32 gradients), 3 (statistics), each at most
-    once, in that order.
-
-All decode with :func:`decode_broadcast_parts` (gradient and statistics) or
-:func:`decode_broadcast` (the gradient alone), which raise
+:func:`decode_broadcast_parts` and :func:`decode_broadcast` raise
 :class:`~fedddl.compression.PayloadError` on anything malformed.
 """
 
@@ -43,10 +30,10 @@ from collections.abc import Collection, Mapping, Sequence
 import numpy as np
 import torch
 
-from fedddl.compression.base import Compressor
-from fedddl.compression.errors import PayloadError
-from fedddl.compression.memory import Memory
-from fedddl.compression.wire import decode_update, encode_update
+from fedddl.compression.algorithms.base import Compressor
+from fedddl.compression.algorithms.memory import Memory
+from fedddl.compression.codecs.errors import PayloadError
+from fedddl.compression.codecs.wire import decode_update, encode_update
 from fedddl.framing import CRC, seal, unseal
 
 __all__ = [
@@ -203,7 +190,7 @@ def encode_bundle(
 
     Returns ``gradient`` itself when there is nothing else to send.
     """
-    from fedddl.compression.identity import IdentityCompressor
+    from fedddl.compression.algorithms.identity import IdentityCompressor
 
     sections: list[tuple[int, bytes]] = []
     if gradient is not None:
@@ -240,7 +227,7 @@ def add_statistics(update: bytes, statistics: Mapping[str, torch.Tensor] | None)
         return update
     if update[:1] != TAG_BUNDLE:
         return encode_bundle(update, statistics=statistics)
-    from fedddl.compression.identity import IdentityCompressor
+    from fedddl.compression.algorithms.identity import IdentityCompressor
 
     parts = _bundle_sections(update)
     if SECTION_STATISTICS in parts:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from fedddl.compression.base import Compressor
-from fedddl.compression.identity import IdentityCompressor
-from fedddl.compression.ternary import TernaryCompressor, TernaryEntropyCompressor
+from fedddl.compression.algorithms.base import Compressor
+from fedddl.compression.algorithms.identity import IdentityCompressor
+from fedddl.compression.algorithms.ternary import TernaryCompressor, TernaryEntropyCompressor
 
 __all__ = [
     "available_compressors",

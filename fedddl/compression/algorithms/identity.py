@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from typing import Any
 
-import numpy as np
 import torch
 
-from fedddl.compression.base import Compressor
-from fedddl.compression.payload import Context, DensePayload, Payload, check_float_tensor
+from fedddl.compression.algorithms.base import Compressor
+from fedddl.compression.algorithms.payload import Context, DensePayload, Payload, check_float_tensor
+from fedddl.compression.backends.statistics import all_finite_array
 
 __all__ = ["IdentityCompressor"]
 
@@ -77,17 +75,3 @@ def _all_finite(values: torch.Tensor) -> bool:
         return all_finite_array(flat.numpy())
     low, high = torch.aminmax(flat)
     return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
-
-
-def all_finite_array(values: np.ndarray[Any, Any]) -> bool:
-    """Whether every value of a float32/float64 array is finite, in one read and no
-    temporary array.
-
-    A NaN or an infinity makes the sum NaN or infinite, so a finite sum proves every
-    value finite (numpy's SIMD sum; ``add.reduce``, not ``einsum``, whose call costs
-    ~10 us on a model's many small tensors); only a non-finite sum (or an overflow of
-    finite values) needs the exact test.
-    """
-    with np.errstate(over="ignore", invalid="ignore"):  # overflow/NaN are what we test
-        total = float(np.add.reduce(values))
-    return math.isfinite(total) or bool(np.isfinite(values).all())

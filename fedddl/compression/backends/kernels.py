@@ -1,27 +1,11 @@
-"""numba versions of the hot loops; import through :mod:`fedddl.compression.jit` only.
+"""numba versions of the hot loops; import through :mod:`.jit` only.
 
-Each kernel computes exactly what the numpy code beside its caller computes
-(tests compare them bit for bit):
-
-* :func:`pcg64dxsm_words`: numpy's ``PCG64DXSM.random_raw`` (the 128-bit
-  "cheap multiplier" LCG step and the DXSM output function), with the state
-  kept as four ``uint64`` (state high/low, increment high/low).
-* :func:`ternarize_pack`: the stochastic rule of
-  :mod:`fedddl.compression.ternarize` in float32 arithmetic (no fused
-  multiply-add: numba's default keeps every float32 operation rounded on its
-  own), fused with the random stream and with 2-bit or base-3 packing, in
-  blocks that stay in L1.  A whole block's random words come from eight
-  streams jumped ahead by 0..7 words and stepping 8 words at a time, in
-  vector registers (:func:`_vector_words`), and its codes from LLVM vector
-  operations (:func:`_vector_codes`): the same words and codes, in order.
-* :func:`unpack_base3` / :func:`unpack_2bit`: the table lookups of
-  :mod:`fedddl.compression.packing`.
-* :func:`lane_statistics`: the float64 lane sums of
-  :mod:`fedddl.compression.statistics`, written as LLVM vector operations
-  (numba's own loops leave these additions scalar, since it may not reorder
-  them; the lanes fix the order, so a vector add per step is exact).
-
-All kernels release the GIL, so the package's thread pool runs them in parallel.
+Each kernel computes bit for bit what the numpy code beside its caller computes (tested):
+:func:`pcg64dxsm_words` (numpy's ``PCG64DXSM.random_raw``), :func:`ternarize_pack` (the
+stochastic rule of :mod:`.ternarize` in float32, no fused multiply-add, fused with the
+random stream and packing), :func:`unpack_base3` / :func:`unpack_2bit` (the tables of
+:mod:`.unpacking`) and :func:`lane_statistics` (the float64 lanes of :mod:`.statistics`).
+All release the GIL, so the thread pool runs them in parallel.
 """
 
 from __future__ import annotations
@@ -488,7 +472,7 @@ def lane_statistics(values: np.ndarray, out: np.ndarray) -> None:
     ``size mod LANES`` values continue lanes ``0, 1, ..``); ``out[2, 0]``: ``max |value|``.
 
     Squares of float32 values are exact in float64, so only the additions round, and
-    their order is fixed by the lanes (:mod:`fedddl.compression.statistics` computes the
+    their order is fixed by the lanes (:mod:`fedddl.compression.backends.statistics` computes the
     same sums with numpy).  A NaN or infinite value makes its lane's sum non-finite.
     """
     sums = np.empty(2 * LANES, dtype=np.float64)

@@ -1,27 +1,12 @@
 """Vectorised TernGrad ternarisation fused with packing.
 
-Stochastic rounding compares integers instead of drawing random floats.  For
-an element ``g`` with scaler ``s`` let ``a = |g| * 2**16 / s - 1/2`` and ``r``
-a uniform integer in ``0 .. 2**16 - 1`` (16 random bits); the element fires
-(becomes ``sign(g) * s``) iff ``r < a``.  So
-
-    P(fire) = ceil(|g| * 2**16 / s - 1/2) / 2**16,
-
-i.e. the Bernoulli probability ``|g| / s`` rounded to the nearest multiple of
-``2**-16``.  The decoded value's bias is therefore at most ``2**-17 * s`` in
-magnitude per element, and exactly zero for ``g = 0`` (never fires) and
-``|g| = s`` (always fires).
-
-The random integers come from numpy's PCG64DXSM (the faster, recommended
-PCG64 variant), four 16-bit values per 64-bit output.  The work is done in
-chunks of ``CHUNK`` elements (one read of the input, temporaries that stay in
-cache) by up to ``torch.get_num_threads()`` threads (numpy releases the GIL;
-:mod:`fedddl.compression.parallel`); a batch shares the chunks of all its
-tensors out over the threads.  Value ``i`` of a tensor always uses the
-``i``-th random value after the tensor's start in the stream (PCG
-``advance``; each tensor starts on a whole 64-bit word after the previous
-one's values), so codes depend on the seed and the order of the tensors only,
-never on the number of threads, the chunk size or the batching.
+An element ``g`` with scaler ``s`` fires (becomes ``sign(g) * s``) iff ``r < a`` with
+``a = |g| * 2**16 / s - 1/2`` in float32 and ``r`` a uniform 16-bit integer, so
+``P(fire) = |g| / s`` rounded to a multiple of ``2**-16`` (bias at most ``2**-17 * s``).
+The integers come from numpy's PCG64DXSM, four per 64-bit word; value ``i`` of a tensor
+uses the ``i``-th value after the tensor's start in the stream (each tensor starts on a
+whole word), so codes depend on the seed and the order of the tensors only, never on the
+threads, the chunk size (:data:`CHUNK`) or the batching.
 """
 
 from __future__ import annotations
@@ -33,9 +18,14 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from fedddl.compression.jit import jit_kernels
-from fedddl.compression.packing import PACK_SLACK, codes_per_byte, pack_padded_codes, packed_size
-from fedddl.compression.parallel import chunk_units, run_in_chunks, run_units
+from fedddl.compression.backends.jit import jit_kernels
+from fedddl.compression.backends.packing import (
+    PACK_SLACK,
+    codes_per_byte,
+    pack_padded_codes,
+    packed_size,
+)
+from fedddl.compression.backends.parallel import chunk_units, run_in_chunks, run_units
 
 __all__ = [
     "CHUNK",
@@ -90,7 +80,7 @@ class RandomBits:
     def state_at(self, offset_values: int) -> np.ndarray:
         """The generator state ``offset_values`` values ahead (a multiple of 4), as the four
         ``uint64`` (state high, state low, increment high, increment low) that the
-        compiled kernels take (:mod:`fedddl.compression.kernels`)."""
+        compiled kernels take (:mod:`fedddl.compression.backends.kernels`)."""
         state = self._scratch(offset_values).state["state"]
         words = (state["state"] >> 64, state["state"], state["inc"] >> 64, state["inc"])
         return np.array([w & _LOW_64 for w in words], dtype=np.uint64)

@@ -1,7 +1,7 @@
 """What a compressor produces: a payload (the data to send) and its context.
 
 Only two payload kinds exist, because the wire format
-(:mod:`fedddl.compression.wire`) must be able to serialise every payload:
+(:mod:`fedddl.compression.codecs.wire`) must be able to serialise every payload:
 
 * :class:`DensePayload`: the tensor's values, uncompressed, in their own dtype.
 * :class:`TernaryPayload`: packed ternary codes plus one float32 scale ``s``;
@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedddl.compression.device_kernels import unpack_codes as unpack_on_device
-from fedddl.compression.packing import CODECS, unpack_codes
+from fedddl.compression.backends.device_kernels import unpack_codes as unpack_on_device
+from fedddl.compression.backends.packing import CODECS
+from fedddl.compression.backends.unpacking import unpack_codes
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -75,7 +76,7 @@ class TernaryPayload:
     Attributes
     ----------
     codes:
-        1-D ``uint8`` tensor of packed codes (layout: :mod:`fedddl.compression.packing`).
+        1-D ``uint8`` tensor of packed codes (layout: :mod:`fedddl.compression.backends.packing`).
     scale:
         The scaler ``s >= 0``; must be exactly representable as float32.
     numel:

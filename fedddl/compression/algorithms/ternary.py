@@ -8,22 +8,23 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from fedddl.compression import device_path
-from fedddl.compression.base import Compressor
-from fedddl.compression.packing import CODECS, packed_size
-from fedddl.compression.payload import (
+from fedddl.compression.algorithms import ternary_device
+from fedddl.compression.algorithms.base import Compressor
+from fedddl.compression.algorithms.payload import (
     Context,
     DensePayload,
     Payload,
     TernaryPayload,
     check_float_tensor,
 )
-from fedddl.compression.statistics import (
+from fedddl.compression.backends import device_path
+from fedddl.compression.backends.packing import CODECS, packed_size
+from fedddl.compression.backends.statistics import (
     TensorStatistics,
     tensor_statistics,
     tensor_statistics_batch,
 )
-from fedddl.compression.ternarize import (
+from fedddl.compression.backends.ternarize import (
     RandomBits,
     ternarize_deterministic,
     ternarize_stochastic_batch,
@@ -42,7 +43,7 @@ class TernaryCompressor(Compressor):
     Per tensor: optional clipping of ``g`` to ``[-c*sigma, c*sigma]``
     (``sigma`` = population std of the tensor), scaler ``s = max|g_clipped|``,
     then ``b ~ Bernoulli(|g_clipped| / s)`` so ``E[g~] = g_clipped`` (up to the
-    ``2**-16`` probability resolution, see :mod:`fedddl.compression.ternarize`).
+    ``2**-16`` probability resolution, see :mod:`fedddl.compression.backends.ternarize`).
 
     Parameters
     ----------
@@ -68,7 +69,7 @@ class TernaryCompressor(Compressor):
     An instance owns one random stream: do not call :meth:`compress` on the
     same instance from several threads at once (use one instance per worker).
     Tensors off the CPU are ternarised and packed on their device with torch ops
-    (:mod:`fedddl.compression.device_path`; its own seeded generator per device,
+    (:mod:`fedddl.compression.algorithms.ternary_device`; its own seeded generator per device,
     so stochastic codes differ from the CPU path's for the same seed); only the
     packed bytes and the statistics are copied to the host.
     """
@@ -180,7 +181,7 @@ class TernaryCompressor(Compressor):
         label_errors: bool,
     ) -> list[tuple[Payload, Context]]:
         if device_path.uses_torch_path(tensors):  # off the CPU: torch ops on the device
-            return device_path.compress_batch(self, tensors, scales, label_errors)
+            return ternary_device.compress_batch(self, tensors, scales, label_errors)
         scales = [None] * len(tensors) if scales is None else list(scales)
         if len(scales) != len(tensors):
             raise ValueError(f"{len(scales)} scales for {len(tensors)} tensors")
@@ -279,7 +280,7 @@ class TernaryEntropyCompressor(TernaryCompressor):
     The codes (hence the decoded values) are exactly those of
     ``TernaryCompressor(codec="base3")`` with the same arguments; only the
     message is smaller: :func:`~fedddl.compression.encode_update` compresses
-    the message's body (:mod:`fedddl.compression.entropy`) and sends the plain
+    the message's body (:mod:`fedddl.compression.codecs.entropy`) and sends the plain
     base-3 message instead whenever that would not be smaller.
     """
 

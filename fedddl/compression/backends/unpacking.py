@@ -1,62 +1,26 @@
-"""Packing of ternary codes into bytes, and the lookup tables that unpack them.
-
-Codes
------
-Each value is a 2-bit code: ``0b00`` = 0, ``0b01`` = +1, ``0b10`` = -1;
-``0b11`` is invalid.
-
-``"2bit"`` codec (4 values per byte, 2 bits per value)
-    Value ``i`` lives in byte ``i // 4`` at bits ``2*(i % 4)`` and
-    ``2*(i % 4) + 1`` (value 0 in the least significant bits). The unused
-    trailing code slots of the last byte must be ``0b00``.
-
-``"base3"`` codec (5 values per byte, 1.6 bits per value)
-    Each code is a trit ``t`` (``0``, ``1`` = +1, ``2`` = -1, the same numbers
-    as the 2-bit codes); byte ``j`` holds values ``5j .. 5j+4`` as
-    ``t0 + 3*t1 + 9*t2 + 27*t3 + 81*t4`` (so bytes ``243..255`` are invalid).
-    The unused trailing trits of the last byte must be 0.
-
-Both directions are vectorised and run on up to ``torch.get_num_threads()``
-threads (:mod:`fedddl.compression.parallel`).  Packing multiplies words of
-codes by a constant that gathers every code of a byte into one place
-(4 code bytes as a ``uint32`` for 2-bit, 5 code bytes read as an unaligned
-``uint64`` for base-3); unpacking is a gather from a 256-entry table that
-already holds ``scale * value`` (4 or 5 floats per entry; the 4 floats of the
-2-bit table are gathered as one 16-byte ``complex128``).
-The host must be little-endian (checked at import).
+"""Unpacking of ternary codes (layout: :mod:`.packing`) into ``scale * value`` float32,
+by table lookups: 256-entry tables that already hold ``scale * value``, gathered over the
+threads (:mod:`.parallel`) or by the compiled kernels (:mod:`.jit`), bit-identical.
+Invalid codes decode to 0: check them first (:func:`.packing.invalid_codes`).
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-import sys
 from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import as_strided
 
-from fedddl.compression.jit import jit_kernels
-from fedddl.compression.parallel import run_in_chunks, run_pipelined
+from fedddl.compression.backends.jit import jit_kernels
+from fedddl.compression.backends.packing import codes_per_byte, packed_size
+from fedddl.compression.backends.parallel import run_in_chunks, run_pipelined
 
 __all__ = [
-    "CODECS",
-    "CODE_MINUS",
-    "CODE_PLUS",
-    "CODE_ZERO",
-    "PACK_SLACK",
-    "codes_per_byte",
-    "find_invalid_codes",
-    "invalid_code_rows",
-    "invalid_codes",
     "is_small",
-    "pack_codes",
-    "pack_codes_into",
-    "pack_padded_codes",
-    "packed_size",
     "unpack_code_rows",
     "unpack_codes",
     "unpack_codes_batch",
@@ -64,33 +28,7 @@ __all__ = [
     "unpack_codes_new",
 ]
 
-if sys.byteorder != "little":  # pragma: no cover - every supported platform is LE
-    raise ImportError("fedddl.compression assumes a little-endian host")
-
-CODE_ZERO = 0b00
-CODE_PLUS = 0b01
-CODE_MINUS = 0b10
-
-#: Names of the packing codecs.
-CODECS: tuple[str, ...] = ("2bit", "base3")
-
-_PER_BYTE = {"2bit": 4, "base3": 5}
 _VALUE_OF_CODE = (0.0, 1.0, -1.0)
-_MASK_LOW_BITS = 0x5555555555555555  # bit 0 of every 2-bit slot in an int64
-
-
-def codes_per_byte(codec: str) -> int:
-    """How many values one byte holds under ``codec``."""
-    try:
-        return _PER_BYTE[codec]
-    except KeyError:
-        raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}") from None
-
-
-def packed_size(numel: int, codec: str) -> int:
-    """Bytes needed to pack ``numel`` values with ``codec``."""
-    per = codes_per_byte(codec)
-    return -(-numel // per)
 
 
 def _build_tables() -> dict[str, np.ndarray]:
@@ -111,138 +49,10 @@ _TABLES = _build_tables()
 # the base-3 table as rows of 8 float32 (5 used), flat, for the compiled kernel
 _BASE3_ROWS = np.zeros((256, 8), dtype=np.float32)
 _BASE3_ROWS[:, :5] = _TABLES["base3"]
-#: Bytes a code buffer needs past its last code for :func:`pack_padded_codes`.
-PACK_SLACK = 8
 _UNPACK_CHUNK = 1 << 16  # packed bytes per gather (1 MiB of float32 out): small intp index
 _TOUCH_SEGMENT = 1 << 18  # packed bytes per first-touch segment (4-5 MiB of float32 out)
 _PAGE = 4096
 _SMALL_NUMEL = 1 << 16  # values: fewer are unpacked on the calling thread, in one pass
-# (w * _GATHER_2BIT) >> 24 of a little-endian uint32 of 4 codes c0..c3 is
-# c0 + c1<<2 + c2<<4 + c3<<6: each code lands in its own slot of the top byte,
-# every cross term lands in distinct lower slots or overflows, so no carries.
-_GATHER_2BIT = np.uint32((1 << 24) | (1 << 18) | (1 << 12) | (1 << 6))
-# (w * _GATHER_BASE3) >> 56 of a little-endian uint64 whose low 5 bytes are
-# trits t0..t4 is sum(t_k * 3**k) (<= 242): the cross terms below the top byte
-# are each at most 2 * (3 + 9 + 27 + 81) = 240 per byte, so nothing carries
-# into it, and those above it (including the 3 bytes of the next group) overflow.
-_GATHER_BASE3 = np.uint64(sum(3**k << (56 - 8 * k) for k in range(5)))
-
-
-def pack_padded_codes(
-    buffer: np.ndarray[Any, Any], numel: int, out: np.ndarray[Any, Any], codec: str
-) -> None:
-    """Pack ``buffer[:numel]`` (``uint8`` codes ``0..2``) into ``out``.
-
-    ``buffer`` must hold at least ``numel + PACK_SLACK`` bytes; everything from
-    ``buffer[numel]`` on is scratch, and the 2-bit codec also overwrites the
-    codes.  ``out`` must hold :func:`packed_size` bytes.
-    """
-    per = codes_per_byte(codec)
-    nbytes = -(-numel // per)
-    if buffer.size < numel + PACK_SLACK or out.size != nbytes:
-        raise ValueError("pack_padded_codes: buffer or out has the wrong size")
-    if nbytes == 0:
-        return
-    buffer[numel : nbytes * per + 3] = 0  # padding codes (and, for base-3, the overread)
-    if codec == "2bit":
-        words = buffer[: nbytes * 4].view(np.uint32)
-        np.multiply(words, _GATHER_2BIT, out=words)
-        np.copyto(out, words.view(np.uint8)[3::4])
-        return
-    # one unaligned uint64 per group of 5 codes: bytes 5j .. 5j+7
-    groups = as_strided(buffer[:8].view(np.uint64), shape=(nbytes,), strides=(5,))
-    gathered = np.multiply(groups, _GATHER_BASE3)
-    np.copyto(out, gathered.view(np.uint8)[7::8])
-
-
-def pack_codes_into(codes: np.ndarray[Any, Any], out: np.ndarray[Any, Any], codec: str) -> None:
-    """Pack ``uint8`` codes into ``out`` (:func:`packed_size` bytes); ``codes`` is not modified."""
-    buffer = np.empty(codes.size + PACK_SLACK, dtype=np.uint8)
-    buffer[: codes.size] = codes
-    pack_padded_codes(buffer, codes.size, out, codec)
-
-
-def pack_codes(codes: torch.Tensor, codec: str = "2bit") -> torch.Tensor:
-    """Pack a 1-D ``uint8`` tensor of codes in ``{0, 1, 2}`` into bytes.
-
-    Parameters
-    ----------
-    codes:
-        1-D ``uint8`` codes (``CODE_ZERO``, ``CODE_PLUS``, ``CODE_MINUS``).
-    codec:
-        ``"2bit"`` or ``"base3"``.
-
-    Returns
-    -------
-    torch.Tensor
-        1-D ``uint8`` tensor of :func:`packed_size` bytes.
-    """
-    codes_per_byte(codec)
-    if codes.dtype != torch.uint8 or codes.dim() != 1:
-        raise ValueError(f"codes must be a 1-D uint8 tensor, got {codes.dim()}-D {codes.dtype}")
-    if bool((codes > CODE_MINUS).any()):
-        raise ValueError("codes must be 0, 1 or 2")
-    out = np.empty(packed_size(codes.numel(), codec), dtype=np.uint8)
-    pack_codes_into(codes.numpy(), out, codec)
-    return torch.from_numpy(out)
-
-
-def find_invalid_codes(packed: torch.Tensor, numel: int, codec: str) -> str | None:
-    """Describe the first problem in ``packed`` codes, or return ``None`` if valid.
-
-    Checks the byte count, invalid code values (``0b11`` or bytes ``>= 243``)
-    and that unused trailing slots are zero.
-    """
-    codes_per_byte(codec)
-    if packed.dtype != torch.uint8 or packed.dim() != 1:
-        return f"packed codes must be 1-D uint8, got {packed.dim()}-D {packed.dtype}"
-    return invalid_codes(packed.numpy(), numel, codec)
-
-
-def invalid_codes(source: np.ndarray[Any, Any], numel: int, codec: str) -> str | None:
-    """:func:`find_invalid_codes` of packed codes in a 1-D ``uint8`` numpy array."""
-    if source.size != packed_size(numel, codec):
-        return f"{source.size} code bytes for {numel} values (need {packed_size(numel, codec)})"
-    if numel == 0:
-        return None
-    last = int(source[-1])
-    if codec == "2bit":
-        whole = source.size // 8 * 8
-        words = source[:whole].view(np.uint64)
-        # a slot is 0b11 iff its high bit and its low bit are both set
-        if bool(((words & (words >> np.uint64(1))) & np.uint64(_MASK_LOW_BITS)).any()):
-            return "invalid ternary code 0b11"
-        tail = source[whole:]
-        if bool(((tail & (tail >> 1)) & 0x55).any()):
-            return "invalid ternary code 0b11"
-        used = numel % 4
-        if used and last >> (2 * used):
-            return "non-zero padding in the last code byte"
-        return None
-    if bool((source >= 243).any()):
-        return "invalid base-3 byte (>= 243)"
-    used = numel % 5
-    if used and last >= 3**used:
-        return "non-zero padding in the last code byte"
-    return None
-
-
-def invalid_code_rows(rows: np.ndarray[Any, Any], numel: int, codec: str) -> bool:
-    """Whether :func:`invalid_codes` finds a problem in any row of ``rows``: a 2-D
-    ``uint8`` array holding one tensor's packed codes per row (the same tensor of several
-    messages), checked in one pass."""
-    if rows.ndim != 2 or rows.shape[1] != packed_size(numel, codec):
-        return True
-    if numel == 0 or rows.shape[0] == 0:
-        return False
-    last = rows[:, -1]
-    if codec == "2bit":
-        used = numel % 4
-        return bool(((rows & (rows >> 1)) & 0x55).any()) or bool(
-            used and (last >> (2 * used)).any()
-        )
-    used = numel % 5
-    return bool((rows >= 243).any()) or bool(used and (last >= 3**used).any())
 
 
 def unpack_code_rows(
@@ -306,7 +116,7 @@ def unpack_codes(
 def is_small(numel: int) -> bool:
     """Whether unpacking ``numel`` values runs on the calling thread in one numpy pass:
     fewer than ``2**16`` values, unless the compiled kernels are forced on
-    (:func:`fedddl.compression.jit.set_jit`)."""
+    (:func:`fedddl.compression.backends.jit.set_jit`)."""
     return numel < _SMALL_NUMEL and jit_kernels(numel) is None
 
 

@@ -15,8 +15,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from fedddl.compression.base import Compressor
-from fedddl.compression.memory import Memory
+from fedddl.compression.algorithms.base import Compressor
+from fedddl.compression.algorithms.memory import Memory
 
 __all__ = ["local_scales", "max_scales"]
 

@@ -1,0 +1,191 @@
+"""Reading and checking a message's header: magic, version, length, CRC, every entry,
+and that the declared data sizes add up to the bytes present."""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from fedddl.compression.backends.parallel import crc32_threaded
+from fedddl.compression.codecs.entropy import MAGIC as ENTROPY_MAGIC
+from fedddl.compression.codecs.entropy import open_entropy_coded
+from fedddl.compression.codecs.errors import PayloadError
+from fedddl.compression.codecs.wire.layout import (
+    COUNT,
+    DTYPE_OF_CODE,
+    ENTRY_CODES,
+    FORMAT_VERSION,
+    KIND_2BIT,
+    KIND_BASE3,
+    KIND_DENSE,
+    MAGIC,
+    MAX_DIM,
+    MAX_NAME_BYTES,
+    MAX_NDIM,
+    MAX_SPAN,
+    MAX_TENSORS,
+    MIN_ENTRY,
+    NAME_LENGTH,
+    PREFIX,
+    SCALE,
+    SHAPE_OF_NDIM,
+    Entry,
+    data_size,
+)
+from fedddl.framing import CRC, check_crc, check_magic
+
+__all__ = ["Layout", "as_view", "validated_entries"]
+
+class _Reader:
+    """Bounds-checked sequential reads of the header.
+
+    ``what`` names what is read, for the error message; it is a format string completed
+    with ``args`` only when the read fails (formatting it for every field costs more than
+    the read).
+    """
+
+    def __init__(self, data: memoryview, start: int, end: int) -> None:
+        self.data, self.pos, self.end = data, start, end
+
+    def _advance(self, size: int, what: str, args: tuple[object, ...]) -> int:
+        """Move past ``size`` bytes; return where they start."""
+        start = self.pos
+        stop = start + size
+        if stop > self.end:
+            raise PayloadError(f"truncated header while reading {what.format(*args)}")
+        self.pos = stop
+        return start
+
+    def take(self, size: int, what: str, *args: object) -> memoryview:
+        start = self._advance(size, what, args)
+        return self.data[start : self.pos]
+
+    def unpack(self, layout: struct.Struct, what: str, *args: object) -> tuple[Any, ...]:
+        return layout.unpack_from(self.data, self._advance(layout.size, what, args))
+
+
+def _check_prefix(view: memoryview) -> int:
+    if len(view) < PREFIX.size + CRC.size:
+        raise PayloadError(f"truncated: {len(view)} bytes is shorter than the fixed header")
+    magic, version, flags, count, total = PREFIX.unpack_from(view)
+    check_magic(
+        "compressed update",
+        magic,
+        version,
+        expected_magic=MAGIC,
+        expected_version=FORMAT_VERSION,
+        error=PayloadError,
+    )
+    if len(view) < total:
+        raise PayloadError(f"truncated: header declares {total} bytes, got {len(view)}")
+    if len(view) > total:
+        raise PayloadError(f"{len(view) - total} trailing bytes after the declared {total}")
+    (crc,) = CRC.unpack_from(view, total - CRC.size)
+    check_crc(
+        "compressed update",
+        view[: total - CRC.size],
+        crc,
+        error=PayloadError,
+        checksum=crc32_threaded,  # large messages on the threads
+    )
+    if flags != 0:
+        raise PayloadError(f"unknown flags {flags:#x}")
+    return int(count)
+
+
+def _check_count(count: int, body_size: int) -> None:
+    if count > MAX_TENSORS or count * MIN_ENTRY > body_size:
+        raise PayloadError(f"implausible tensor count {count}")
+
+
+def _parse_entries(
+    view: memoryview, count: int, start: int, end: int
+) -> tuple[list[Entry], int]:
+    reader = _Reader(view, start, end)
+    entries = []
+    seen: set[str] = set()
+    for index in range(count):
+        (name_length,) = reader.unpack(NAME_LENGTH, "name length of entry {}", index)
+        if name_length > MAX_NAME_BYTES:
+            raise PayloadError(f"entry {index}: {name_length}-byte name exceeds {MAX_NAME_BYTES}")
+        try:
+            name = bytes(reader.take(name_length, "name of entry {}", index)).decode("utf-8")
+        except UnicodeDecodeError:
+            raise PayloadError(f"entry {index}: name is not valid UTF-8") from None
+        if name in seen:
+            raise PayloadError(f"tensor name {name!r} is repeated")
+        seen.add(name)
+        dtype_code, kind, ndim = reader.unpack(ENTRY_CODES, "{!r} header", name)
+        if dtype_code not in DTYPE_OF_CODE:
+            raise PayloadError(f"tensor {name!r}: unknown dtype code {dtype_code}")
+        if kind not in (KIND_DENSE, KIND_2BIT, KIND_BASE3):
+            raise PayloadError(f"tensor {name!r}: unknown kind {kind}")
+        if ndim > MAX_NDIM:
+            raise PayloadError(f"tensor {name!r}: {ndim} dimensions exceed {MAX_NDIM}")
+        shape = tuple(reader.unpack(SHAPE_OF_NDIM[ndim], "shape of {!r}", name))
+        if any(dim > MAX_DIM for dim in shape):
+            raise PayloadError(f"tensor {name!r}: a dimension of {shape} exceeds {MAX_DIM}")
+        if math.prod(dim for dim in shape if dim) > MAX_SPAN:  # torch's strides fit int64
+            raise PayloadError(f"tensor {name!r}: shape {shape} spans more than 2**62 values")
+        scale = 0.0
+        if kind != KIND_DENSE:
+            (raw_scale,) = reader.unpack(SCALE, "scale of {!r}", name)
+            if not math.isfinite(raw_scale):
+                raise PayloadError(f"tensor {name!r}: non-finite scale {raw_scale}")
+            if raw_scale < 0:
+                raise PayloadError(f"tensor {name!r}: negative scale {raw_scale}")
+            scale = raw_scale
+        entries.append((name, DTYPE_OF_CODE[dtype_code], kind, shape, scale))
+    return entries, reader.pos
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a checked message's data lies: the body, the parsed entries, where their data
+    starts in the body and each entry's data size."""
+
+    body: memoryview
+    entries: list[Entry]
+    start: int
+    sizes: list[int]
+
+def as_view(data: bytes | bytearray | memoryview, max_bytes: int | None = None) -> memoryview:
+    """``data`` as a flat byte view, refused when longer than ``max_bytes``."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise PayloadError(f"expected bytes, got {type(data).__name__}")
+    try:
+        view = memoryview(data).cast("B")
+    except TypeError as error:
+        raise PayloadError(f"data is not a flat byte buffer: {error}") from None
+    if max_bytes is not None and len(view) > max_bytes:
+        raise PayloadError(f"message of {len(view)} bytes exceeds the limit of {max_bytes}")
+    return view
+
+
+def validated_entries(
+    view: memoryview, max_tensors: int | None = None
+) -> tuple[memoryview, list[Entry], int, list[int]]:
+    """The body holding the entries, the checked entries, where their data starts in the
+    body, and each entry's data size (plain ``FDTQ`` or entropy-coded ``FDTE`` messages)."""
+    if bytes(view[: len(ENTROPY_MAGIC)]) == ENTROPY_MAGIC:
+        body = open_entropy_coded(view)  # at most MAX_EXPANSION x the message size
+        if len(body) < COUNT.size:
+            raise PayloadError(f"entropy-coded body of {len(body)} bytes has no tensor count")
+        (count,) = COUNT.unpack_from(body)
+        start, end = COUNT.size, len(body)
+    else:
+        body = view
+        count = _check_prefix(view)
+        start, end = PREFIX.size, len(view) - CRC.size
+    if max_tensors is not None and count > max_tensors:
+        raise PayloadError(f"message declares {count} tensors, at most {max_tensors} expected")
+    _check_count(count, end - start)
+    entries, data_start = _parse_entries(body, count, start, end)
+    sizes = [data_size(dtype, kind, math.prod(shape)) for _, dtype, kind, shape, _ in entries]
+    available = end - data_start
+    if sum(sizes) != available:
+        raise PayloadError(
+            f"declared shapes need {sum(sizes)} data bytes but {available} are present"
+        )
+    return body, entries, data_start, sizes
