@@ -7,9 +7,9 @@ up per round and which parameters travelled in fp32. The runs use the inline eng
 ``fedddl simulate`` (the same ServerApp and ClientApp as on Ray, without Ray, so a run
 takes seconds).
 
-    python simulations/sweep_fp32_min_numel.py --dataset digits --arch mlp
-    python simulations/sweep_fp32_min_numel.py --dataset digits --arch cnn --rounds 60
-    python simulations/sweep_fp32_min_numel.py --dataset fashion-mnist --arch resnet8 \\
+    python -m simulations.sweep_fp32_min_numel --dataset digits --arch mlp
+    python -m simulations.sweep_fp32_min_numel --dataset digits --arch cnn --rounds 60
+    python -m simulations.sweep_fp32_min_numel --dataset fashion-mnist --arch resnet8 \\
         --rounds 60 --seeds 0 --eval-samples 2000
 
 The last line reads ``best: fp32-min-numel=N (accuracy A, bytes up B/round)``: the smallest
