@@ -4,8 +4,8 @@
    ``fedddl/flower/``.
 2. ``clients/`` and ``strategies/`` never import each other.
 3. The Flower-free core (``fedddl/`` outside ``fedddl/flower/``) imports neither
-   ``strategies``, ``clients`` nor ``fedddl.flower``: entry points and one-release
-   re-exports of moved modules are the named exceptions below.
+   ``strategies``, ``clients`` nor ``fedddl.flower``: the command-line entry points and
+   ``fedddl/partition.py`` are the named exceptions below.
 4. ``fedddl/flower/`` imports neither ``strategies`` nor ``clients``, except the
    simulation runner, an entry point that builds both apps.
 5. ``simulations/`` (run as ``python -m simulations.NAME``) imports the installed packages
@@ -25,13 +25,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fedddl", "strategies", "clients")
 
-#: Core modules allowed to reach the Flower layer: entry points and moved-module re-exports.
+#: Core modules allowed to reach the Flower layer.
 CORE_EXCEPTIONS = {
     "fedddl/commands": "command-line entry points",
-    "fedddl/simulate.py": "re-export of fedddl.flower.simulation (moved; one release)",
-    "fedddl/deploy/fast_grid.py": "re-export of fedddl.flower.grid (moved; one release)",
-    "fedddl/deploy/fast_supernode.py": "re-export of fedddl.flower.fast_supernode (one release)",
-    "fedddl/deploy/warm_clientapp.py": "re-export of fedddl.deploy.warm_clientapp (one release)",
     "fedddl/partition.py": "names fedddl.flower's StratifiedPartitioner lazily (the documented"
     " fedddl.partition.StratifiedPartitioner; flwr-datasets is imported on first use only)",
 }
