@@ -3,10 +3,10 @@
 Each ``--setting "label: key=value key=value"`` is a set of run-config keys (kebab-case,
 Flower's syntax as in ``fedddl simulate --run-config``: strings in quotes) applied on top of
 the shared ``--base`` keys; every
-setting runs once per seed on the same shards. The runs use the in-process grid of the test
-suite (the same ServerApp and ClientApp code as Flower's simulation, without Ray; replies
-in a fixed order, so a run replays exactly), ``--jobs`` runs at a time, one torch thread
-each.
+setting runs once per seed on the same shards. The runs use the inline engine of
+``fedddl simulate --engine inline`` (the same ServerApp and ClientApp as on Ray, without
+Ray; replies in a fixed order, so a run replays exactly), ``--jobs`` runs at a time, one
+torch thread each.
 
     python -m simulations.sweep_settings --base "dataset='fashion-mnist' arch='resnet8' \\
         num-server-rounds=200 eval-every=50 eval-samples=2000" \\
