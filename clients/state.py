@@ -82,7 +82,6 @@ from fedddl.sync.worker import WorkerState
 
 __all__ = [
     "JOURNAL_LIMIT",
-    "ClientState",
     "cached_replicas",
     "extend_chain",
     "load_state",
@@ -100,9 +99,6 @@ BLOB_KEY = "blob"
 JOURNAL_LIMIT = 8
 _RUNS_KEPT = 4
 _DIGEST_BYTES = 16
-
-#: Deprecated alias of :class:`fedddl.sync.worker.WorkerState` (kept for one release).
-ClientState = WorkerState
 
 
 def snapshot_chain(version: int, blob: bytes) -> str:

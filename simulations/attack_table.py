@@ -5,12 +5,12 @@ Runs the real ServerApp loop and ClientApps (honest and malicious) of ``fedddl s
 every results JSON to ``--out`` (a cell whose JSON exists is not run again, so an
 interrupted table resumes) and prints the Markdown tables::
 
-    python simulations/attack_table.py --rounds 100 --out results/attacks
+    python -m simulations.attack_table --rounds 100 --out results/attacks
 
-By default each cell runs in this process on a Ray-free in-process grid
-(``tests/support/inline_grid.py``: every node's ClientApp called in turn, with its own
-state, exactly the messages of a simulation); ``--ray`` runs each cell as
-``fedddl simulate`` in its own process instead (same apps, Ray actors, slower to start).
+By default each cell runs in this process on the inline engine of ``fedddl simulate
+--engine inline`` (every node's ClientApp called in turn, with its own state, exactly the
+messages of a simulation); ``--ray`` runs each cell as ``fedddl simulate`` on Ray in its
+own process instead (same apps, Ray actors, slower to start).
 
 Columns: ``plain mean`` is the mean without the scale bound and without the resync rate
 limit (``--scale-bound 0 --resync-interval 0``: what the server did before they existed,
@@ -89,10 +89,10 @@ def simulate_flags(keys: dict[str, Any]) -> list[str]:
 def run_inline(
     attack: str, attackers: int, column: str, rounds: int, downlink: str = "reternarize"
 ) -> dict[str, Any]:
-    """One cell on the in-process grid (no Ray): the results dict of the ServerApp loop."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: find siblings
+    """One cell on the inline engine (no Ray): the results dict of the ServerApp loop."""
     import torch
-    from tool_runners import run_simulate_inline
+
+    from simulations.tool_runners import run_simulate_inline
 
     torch.set_num_threads(1)
     logging.disable(logging.WARNING)  # per-round logs of 10 clients x many cells: the JSON has them

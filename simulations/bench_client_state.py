@@ -14,7 +14,7 @@ size of the changed records) and the mean seconds of ``save_state``, then their 
 A state loaded in a fresh process (cache miss) is checked to rebuild the replica bit for
 bit in both ways.
 
-    python simulations/bench_client_state.py --rounds 16
+    python -m simulations.bench_client_state --rounds 16
 """
 
 from __future__ import annotations

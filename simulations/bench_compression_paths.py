@@ -14,7 +14,7 @@ base-3, through
 Cases are interleaved and the best of ``--repeats`` is kept; figures are GB/s of fp32
 input (``4 * numel / seconds``).  The last line of each block is the ratio torch/numpy.
 
-    python simulations/bench_compression_paths.py [--repeats 5] [--threads 1] [--device cpu]
+    python -m simulations.bench_compression_paths [--repeats 5] [--threads 1] [--device cpu]
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ machine load hits every setting alike) and pools the rounds.
 
 Usage::
 
-    python simulations/bench_deployment_latency.py --rounds 3 --supernodes 2
+    python -m simulations.bench_deployment_latency --rounds 3 --supernodes 2
 """
 
 from __future__ import annotations

@@ -22,10 +22,10 @@ that start after their process was resumed and end before it was paused again co
 ratio is also given *per cycle* (one slice of each strategy, the medians of the slices'
 rounds compared), paired at a few seconds' distance. Linux only.
 
-    python simulations/bench_round_time.py --dataset digits --rounds 40
-    python simulations/bench_round_time.py --dataset fashion-mnist --arch resnet8 --rounds 100 \
+    python -m simulations.bench_round_time --dataset digits --rounds 40
+    python -m simulations.bench_round_time --dataset fashion-mnist --arch resnet8 --rounds 100 \
         --repeats 1 --eval-samples 2000
-    python simulations/bench_round_time.py --rounds 2000 --repeats 1 --interleave 3 \
+    python -m simulations.bench_round_time --rounds 2000 --repeats 1 --interleave 3 \
         --strategies terngrad,fedavg
 
 The last lines read ``bytes per round (up + down): terngrad A B, ...``, ``median round:

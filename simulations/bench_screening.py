@@ -6,7 +6,7 @@ header screening (:class:`fedddl.sync.screening.PayloadSpec`) and of a full
 ``decode_update`` (what the server did first before the screening existed), and the peak
 memory each allocates (``tracemalloc``)::
 
-    python simulations/bench_screening.py
+    python -m simulations.bench_screening
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ figure is the rise of the process' peak resident memory (``VmHWM``, reset throug
 ``/proc/self/clear_refs`` just before the round) during the round, so the encoded replies
 themselves (inputs that arrive over the network) are not counted.
 
-    python simulations/bench_server_memory.py            # 4, 16, 64 replies
-    python simulations/bench_server_memory.py --counts 4 8
+    python -m simulations.bench_server_memory            # 4, 16, 64 replies
+    python -m simulations.bench_server_memory --counts 4 8
 
 The last line reads ``peak server bytes: 4 replies A, 16 replies B, 64 replies C (ratio
 64/4 R)``.

@@ -2,8 +2,8 @@
 
 Usage::
 
-    python simulations/compressed_gossip_summary.py results/digits
-    python simulations/compressed_gossip_summary.py results/fmnist-a+results/fmnist-b
+    python -m simulations.compressed_gossip_summary results/digits
+    python -m simulations.compressed_gossip_summary results/fmnist-a+results/fmnist-b
 
 For a results folder written by ``run_experiments.py --experiment
 compressed_gossip`` (or several folders of one dataset joined by ``+``, e.g. the

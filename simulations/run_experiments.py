@@ -2,7 +2,7 @@
 
 Usage::
 
-    python simulations/run_experiments.py \\
+    python -m simulations.run_experiments \\
         --experiment {sharding,sharding_at_scale,ternary,ternary_resnet8,gossip,
                       compressed_gossip,robustness,all} \\
         --seeds 0 1 2 --dataset digits --out results/ [--data-root R] [--quick] [--resume] \\
@@ -31,14 +31,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: find siblings
-
-from experiment_spec import ExperimentSpec, VariantSpec, load_experiment
-from tool_runners import RUNNERS, command_line, shard_statistics, timed_run
-
 from fedddl.data.registry import DATASETS
 from fedddl.progress import Progress
 from fedddl.report.manifest import MANIFEST_NAME, write_manifest
+from simulations.experiment_spec import ExperimentSpec, VariantSpec, load_experiment
+from simulations.tool_runners import RUNNERS, command_line, shard_statistics, timed_run
 
 __all__ = [
     "EXPERIMENTS", "RunsFailed", "build_parser", "hardware_description", "main", "parse_only",
@@ -390,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     given = list(sys.argv[1:] if argv is None else argv)
     # --resume only skips finished runs; the command without it reproduces the results.
-    command = shlex.join(["python", "simulations/run_experiments.py",
+    command = shlex.join(["python", "-m", "simulations.run_experiments",
                           *(a for a in given if a != "--resume")])
     runs = sum(len(spec.variants) for spec in specs) * len(args.seeds)
     try:

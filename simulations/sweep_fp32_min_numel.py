@@ -3,13 +3,13 @@
 Runs TernGrad on the same shards and seeds with each ``--values`` threshold (parameters with
 fewer elements travel in fp32), plus GradientAverage (everything in fp32) as the reference,
 and prints per setting the final accuracy (mean and range over ``--seeds``), the mean bytes
-up per round and which parameters travelled in fp32. The runs use the in-process grid of
-the test suite (the same ServerApp and ClientApp code as Flower's simulation, without Ray,
-so a run takes seconds).
+up per round and which parameters travelled in fp32. The runs use the inline engine of
+``fedddl simulate`` (the same ServerApp and ClientApp as on Ray, without Ray, so a run
+takes seconds).
 
-    python simulations/sweep_fp32_min_numel.py --dataset digits --arch mlp
-    python simulations/sweep_fp32_min_numel.py --dataset digits --arch cnn --rounds 60
-    python simulations/sweep_fp32_min_numel.py --dataset fashion-mnist --arch resnet8 \\
+    python -m simulations.sweep_fp32_min_numel --dataset digits --arch mlp
+    python -m simulations.sweep_fp32_min_numel --dataset digits --arch cnn --rounds 60
+    python -m simulations.sweep_fp32_min_numel --dataset fashion-mnist --arch resnet8 \\
         --rounds 60 --seeds 0 --eval-samples 2000
 
 The last line reads ``best: fp32-min-numel=N (accuracy A, bytes up B/round)``: the smallest
@@ -22,7 +22,6 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,15 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-samples", type=int, default=0,
                         help="test samples for the final evaluation (default: 0, all)")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
     import torch
 
-    from clients.client_app import make_client_app
     from fedddl.app_config import AppConfig
+    from fedddl.flower.simulation import run
     from fedddl.sync.exemptions import exempt_parameters
-    from strategies.server_app import run_server
-    from tests.support.inline_grid import InlineGrid
 
     torch.set_num_threads(1)
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -70,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                 eval_samples=args.eval_samples,
             )
             start = time.perf_counter()
-            result = run_server(InlineGrid(make_client_app(cfg), args.num_clients), cfg,
-                                progress=lambda _: None)
+            result = run(cfg, num_clients=args.num_clients, engine="inline", progress=None)
             accs.append(float(result["final_accuracy"]))
             ups.append(float(result["summary"]["mean_bytes_up"]))
             print(f"{label:32s} seed {seed}: accuracy {accs[-1]:.4f}, "

@@ -3,12 +3,12 @@
 Each ``--setting "label: key=value key=value"`` is a set of run-config keys (kebab-case,
 Flower's syntax as in ``fedddl simulate --run-config``: strings in quotes) applied on top of
 the shared ``--base`` keys; every
-setting runs once per seed on the same shards. The runs use the in-process grid of the test
-suite (the same ServerApp and ClientApp code as Flower's simulation, without Ray; replies
-in a fixed order, so a run replays exactly), ``--jobs`` runs at a time, one torch thread
-each.
+setting runs once per seed on the same shards. The runs use the inline engine of
+``fedddl simulate --engine inline`` (the same ServerApp and ClientApp as on Ray, without
+Ray; replies in a fixed order, so a run replays exactly), ``--jobs`` runs at a time, one
+torch thread each.
 
-    python simulations/sweep_settings.py --base "dataset='fashion-mnist' arch='resnet8' \\
+    python -m simulations.sweep_settings --base "dataset='fashion-mnist' arch='resnet8' \\
         num-server-rounds=200 eval-every=50 eval-samples=2000" \\
         --setting "gradient-average: strategy='gradient-average'" \\
         --setting "terngrad: strategy='terngrad'" \\
@@ -32,8 +32,6 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def parse_keys(text: str) -> dict[str, Any]:
     """``"a=1 b='x'"`` → ``{"a": 1, "b": "x"}``: Flower's run-config syntax, as in
@@ -54,8 +52,7 @@ def parse_setting(text: str) -> tuple[str, dict[str, Any]]:
 def run_one(job: tuple[str, dict[str, Any], int, int]) -> dict[str, Any]:
     """Run one setting with one seed in this process; return its rounds and summary."""
     label, keys, seed, num_clients = job
-    sys.path.insert(0, str(ROOT / "simulations"))
-    from tool_runners import run_simulate_inline, timed_run
+    from simulations.tool_runners import run_simulate_inline, timed_run
 
     result, seconds = timed_run(run_simulate_inline,
                                 {**keys, "seed": seed, "num-clients": num_clients})

@@ -35,27 +35,19 @@ def run_simulate_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_simulate_inline(config: dict[str, Any]) -> dict[str, Any]:
-    """Run one simulation in-process without Ray; returns the same JSON dict.
+    """Run one simulation on the inline engine (no Ray); returns the same JSON dict.
 
-    The same ServerApp and ClientApp code as :func:`run_simulate_config`, on the
-    in-process grid of the test suite: every message is handled at once, node after
-    node, so replies come in a fixed order and a run replays exactly.
+    The same ServerApp and ClientApp as :func:`run_simulate_config`, every message handled
+    at once, node after node, so replies come in a fixed order and a run replays exactly.
+    The server waits for all ``num-clients`` nodes (``min-available-nodes``).
     """
-    import sys
-
-    root = str(Path(__file__).resolve().parents[1])
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    from clients.client_app import make_client_app
-    from fedddl.app_config import AppConfig
-    from strategies.server_app import run_server
-    from tests.support.inline_grid import InlineGrid
+    from fedddl.flower.simulation import run
 
     num_clients = int(config["num-clients"])
-    cfg = AppConfig.from_run_config({k: v for k, v in config.items() if k != "num-clients"})
-    cfg = cfg.replace(min_available_nodes=num_clients)
-    result: dict[str, Any] = run_server(InlineGrid(make_client_app(cfg), num_clients), cfg,
-                                        progress=None)
+    run_config = {k: v for k, v in config.items() if k != "num-clients"}
+    run_config["min-available-nodes"] = num_clients
+    result: dict[str, Any] = run(run_config, num_clients=num_clients, engine="inline",
+                                 progress=None)
     return result
 
 

@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import argparse
-from types import ModuleType
 
 from fedddl.app_config import AppConfig
 from fedddl.commands.simulate import add_arguments
-from tests.support.scripts import load_script
-
-
-def _module() -> ModuleType:
-    return load_script("attack_table")
+from simulations import attack_table
 
 
 def test_every_cell_is_a_valid_run_config_and_simulate_command() -> None:
-    table = _module()
+    table = attack_table
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     for attack, attackers, column in table.cells():
@@ -37,7 +32,7 @@ def test_every_cell_is_a_valid_run_config_and_simulate_command() -> None:
 
 
 def test_plain_mean_turns_the_defences_off() -> None:
-    table = _module()
+    table = attack_table
     cfg = AppConfig.from_run_config(
         {k: v for k, v in table.run_config("", 0, "plain mean", 3).items() if k != "num-clients"}
     )

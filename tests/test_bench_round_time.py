@@ -7,20 +7,15 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from fedddl.proc import pid_alive
-from tests.support.scripts import load_script
-
-
-def _module() -> ModuleType:
-    return load_script("bench_round_time")
+from simulations import bench_round_time
 
 
 def test_a_round_counts_only_inside_one_slice_of_its_run() -> None:
-    bench = _module()
+    bench = bench_round_time
     slices = [bench.Slice(10.0, 13.0), bench.Slice(20.0, 23.0)]
     ends = [10.5, 11.0, 12.9, 13.2, 21.0, 22.5, 23.5, None]
     walls = [0.1, 0.5, 0.4, 0.1, 0.5, 2.5, 0.2, 0.1]
@@ -31,7 +26,7 @@ def test_a_round_counts_only_inside_one_slice_of_its_run() -> None:
 
 
 def test_cycles_pair_the_k_th_slices_and_skip_empty_ones() -> None:
-    bench = _module()
+    bench = bench_round_time
     terngrad = [[1.0, 3.0], [2.0], [], [4.0]]
     fedavg = [[2.0], [2.0, 2.0, 4.0], [1.0]]
     assert bench.cycle_ratios(terngrad, fedavg) == [1.0, 1.0]
@@ -39,7 +34,7 @@ def test_cycles_pair_the_k_th_slices_and_skip_empty_ones() -> None:
 
 def test_interleave_must_be_a_positive_number_of_seconds() -> None:
     with pytest.raises(SystemExit) as exit_info:
-        _module().main(["--interleave", "-1"])
+        bench_round_time.main(["--interleave", "-1"])
     assert exit_info.value.code == 2
 
 
@@ -61,7 +56,7 @@ def _settled(pids: tuple[int, ...], stopped: bool) -> set[str]:
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs procfs")
 def test_pause_stops_the_whole_run_and_resume_continues_it(tmp_path: Path) -> None:
-    bench = _module()
+    bench = bench_round_time
     loop = "import time\\nwhile True: time.sleep(0.01)"
     spawn = (
         "import subprocess, sys, time; "

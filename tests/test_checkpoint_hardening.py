@@ -22,8 +22,8 @@ from fedddl.checkpoint import (
     read_key_file,
     save_checkpoint,
 )
+from fedddl.flower.inline_grid import InlineGrid
 from strategies.server_app import RESUME_CHECK_KEYS, RESUME_IGNORED_KEYS, run_server
-from tests.support.inline_grid import InlineGrid
 from tests.test_sync_server import Cluster
 
 KEY = b"0123456789abcdef-secret"

@@ -18,8 +18,8 @@ from clients.client_app import make_client_app
 from clients.state import load_state
 from fedddl.app_config import AppConfig
 from fedddl.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
+from fedddl.flower.inline_grid import InlineGrid
 from strategies.server_app import run_server
-from tests.support.inline_grid import InlineGrid
 
 NODES = 4
 
@@ -29,7 +29,7 @@ def _cfg(**changes: Any) -> AppConfig:
 
 
 def _run(cfg: AppConfig, grid: InlineGrid | None = None) -> tuple[dict[str, Any], InlineGrid]:
-    grid = grid if grid is not None else InlineGrid(make_client_app(cfg), NODES)
+    grid = grid if grid is not None else InlineGrid(make_client_app(cfg), NODES, keep_sent=True)
     return run_server(grid, cfg, progress=lambda line: None), grid
 
 
@@ -68,7 +68,7 @@ def test_resume_continues_the_run_with_fresh_and_old_clients(
     assert set(_client_versions(old_grid, cfg).values()) == {4}
 
     # Restart: nodes 1000 and 1001 are the old ones (state kept), 1002 and 1003 are fresh.
-    new_grid = InlineGrid(make_client_app(cfg), NODES)
+    new_grid = InlineGrid(make_client_app(cfg), NODES, keep_sent=True)
     for node in (1000, 1001):
         new_grid.contexts[node] = old_grid.contexts[node]
     resumed, _ = _run(cfg, new_grid)
@@ -144,7 +144,7 @@ def test_nothing_left_to_run_and_bad_settings(tmp_path: Path) -> None:
 
 def test_only_the_deployment_grid_gets_fast_polling() -> None:
     """``run_server`` wraps Flower's ``HttpGrid`` (3 s polls) in ``FastPollGrid``; the
-    simulation's and the test grid's own ``send_and_receive`` are kept (``InlineGrid``
+    simulation's and the inline engine's own ``send_and_receive`` are kept (``InlineGrid``
     has no push/pull at all)."""
     from flwr.superlink.grid.http_grid import HttpGrid
 

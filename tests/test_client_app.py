@@ -11,11 +11,11 @@ from clients.shard import load_shard, partition_of
 from clients.state import load_state, save_state
 from fedddl.app_config import AppConfig
 from fedddl.compression import ResidualMemory
+from fedddl.flower.inline_grid import InlineGrid
 from fedddl.flower.protocol import build_train_content, parse_reply, parse_train_content
 from fedddl.replica import Replica
 from fedddl.sync import ReplyError, TrainInstruction
 from fedddl.sync.worker import WorkerState
-from tests.support.inline_grid import InlineGrid
 
 CFG = AppConfig()
 

@@ -26,10 +26,10 @@ from clients.state import cached_replicas, extend_chain, load_state, save_state
 from fedddl.app_config import AppConfig
 from fedddl.compression import IdentityCompressor, encode_update
 from fedddl.compression.codecs.downlink import TAG_ENCODED, decode_broadcast_parts
+from fedddl.flower.inline_grid import InlineGrid
 from fedddl.replica import Replica
 from fedddl.sync.worker import WorkerState
 from strategies.server_app import run_server
-from tests.support.inline_grid import InlineGrid
 
 CFG = AppConfig(num_server_rounds=12, eval_every=12, eval_samples=200)
 RUN = "run"

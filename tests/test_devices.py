@@ -79,8 +79,8 @@ def test_residual_memory_keeps_the_tensor_device() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_one_terngrad_round_on_cuda() -> None:
     from clients.client_app import make_client_app
+    from fedddl.flower.inline_grid import InlineGrid
     from strategies.server_app import run_server
-    from tests.support.inline_grid import InlineGrid
 
     cfg = AppConfig(num_server_rounds=2, device="cuda", arch="resnet8", min_available_nodes=2)
     result = run_server(InlineGrid(make_client_app(cfg), 2), cfg, progress=lambda _: None)

@@ -10,15 +10,14 @@ from typing import Any
 
 import pytest
 
-from tests.support.scripts import load_script
+from simulations import compressed_gossip_summary, experiment_spec, run_experiments, tool_runners
 
-SIMULATIONS = Path(__file__).resolve().parents[1] / "simulations"
 SEEDS = (0, 1)  # the test uses 2 seeds for speed; the committed results use >= 3
 
 
 def test_every_experiment_resolves_for_every_dataset() -> None:
-    driver = load_script("run_experiments")
-    spec_mod = load_script("experiment_spec")
+    driver = run_experiments
+    spec_mod = experiment_spec
     for name in driver.EXPERIMENTS:
         full = spec_mod.load_experiment(name)
         quick = spec_mod.load_experiment(name, quick=True)
@@ -44,7 +43,7 @@ def test_every_experiment_resolves_for_every_dataset() -> None:
 
 
 def test_print_commands_lists_one_line_per_run(capsys: pytest.CaptureFixture[str]) -> None:
-    driver = load_script("run_experiments")
+    driver = run_experiments
     assert driver.main(["--experiment", "sharding", "--seeds", "0", "1", "--print-commands"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 5 * 2
@@ -62,7 +61,7 @@ def test_printed_commands_parse_and_mean_the_same_run(
     from fedddl.app_config import AppConfig
     from fedddl.cli import build_parser
 
-    driver = load_script("run_experiments")
+    driver = run_experiments
     assert driver.main(["--experiment", "all", "--seeds", "0", "--print-commands"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     parser = build_parser()
@@ -70,7 +69,7 @@ def test_printed_commands_parse_and_mean_the_same_run(
         args = parser.parse_args(shlex.split(line)[1:])
         if args.command == "gossip":  # the driver records whole curves
             assert args.continue_after_target, line
-    runners = load_script("tool_runners")
+    runners = tool_runners
     line = runners.command_line(
         "simulate", {"strategy": "terngrad", "min-replies": 2, "error-feedback": False,
                      "compressor": "ternary"}, Path("o.json"))  # fmt: skip
@@ -107,7 +106,7 @@ def _run_quick_suite(out: Path, *, full: bool) -> Path:
     each) and the whole gossip grid with 2 seeds; ``full`` runs every variant of
     every experiment with 2 seeds (12 simulations, minutes).
     """
-    driver = load_script("run_experiments")
+    driver = run_experiments
     seeds = [str(s) for s in SEEDS]
     if full:
         assert driver.main(["--experiment", "all", "--quick", "--seeds", *seeds,
@@ -129,11 +128,11 @@ def quick_suite(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def check_result_files(out: Path) -> None:
     """Every run the manifest lists exists and has the tool's schema with sane values."""
-    spec_mod = load_script("experiment_spec")
+    spec_mod = experiment_spec
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["quick"] is True
     ran = {"sharding", "ternary", "gossip", "compressed_gossip"}  # (all of them with "all")
-    assert ran <= set(manifest["experiments"]) <= set(load_script("run_experiments").EXPERIMENTS)
+    assert ran <= set(manifest["experiments"]) <= set(run_experiments.EXPERIMENTS)
     for name, exp in manifest["experiments"].items():
         spec = spec_mod.load_experiment(name, quick=True)
         labels = [v.label for v in spec.variants]
@@ -191,7 +190,7 @@ def test_quick_suite_report_has_plots_and_a_row_per_configuration(quick_suite: P
 
 
 def test_stratified_shards_match_the_global_class_mix_better_than_random() -> None:
-    runners = load_script("tool_runners")
+    runners = tool_runners
     config = {"dataset": "digits", "num-clients": 10, "seed": 0}
     strat = runners.shard_statistics({**config, "partition": "stratified"})["summary"]
     rand = runners.shard_statistics({**config, "partition": "random"})["summary"]
@@ -209,7 +208,7 @@ def test_full_quick_suite_every_variant(tmp_path: Path) -> None:
 
 
 def test_compressed_gossip_summary_reads_the_runs(quick_suite: Path) -> None:
-    lines = load_script("compressed_gossip_summary").summarize(quick_suite)
+    lines = compressed_gossip_summary.summarize(quick_suite)
     manifest = json.loads((quick_suite / "manifest.json").read_text())
     variants = manifest["experiments"]["compressed_gossip"]["variants"]
     assert sum(line.startswith(("homogeneous ", "heterogeneous ")) for line in lines) == len(
@@ -221,7 +220,7 @@ def test_compressed_gossip_summary_reads_the_runs(quick_suite: Path) -> None:
 
 
 def test_variants_are_selected_by_label_or_by_group_and_label() -> None:
-    driver = load_script("run_experiments")
+    driver = run_experiments
     spec = driver.load_experiment("compressed_gossip", dataset="digits", quick=True)
     one = driver._select(spec, ["heterogeneous/scheduled", "homogeneous/random"])
     assert [(v.group, v.label) for v in one.variants] == [
@@ -265,7 +264,7 @@ local-steps = 7
 
 
 def test_matrix_runs_every_variant_in_every_group(tmp_path: Path) -> None:
-    spec_mod = load_script("experiment_spec")
+    spec_mod = experiment_spec
     (tmp_path / "m.toml").write_text(MATRIX_TOML)
     spec = spec_mod.load_experiment("m", directory=tmp_path)
     assert spec.shard_statistics
@@ -298,7 +297,7 @@ def test_matrix_runs_every_variant_in_every_group(tmp_path: Path) -> None:
 
 def test_inline_engine_runs_a_matrix_two_at_a_time_and_replays_exactly(tmp_path: Path) -> None:
     """--engine inline --jobs 2: every run lands, in seed order, and equals a serial rerun."""
-    driver = load_script("run_experiments")
+    driver = run_experiments
     out = tmp_path / "two"
     assert driver.main(["--experiment", "sharding_at_scale", "--quick", "--seeds", "0", "1",
                         "--variants", "sharding_at_scale:stratified", "sharding_at_scale:random",
@@ -337,7 +336,7 @@ def test_inline_engine_runs_a_matrix_two_at_a_time_and_replays_exactly(tmp_path:
 
 
 def test_robustness_matrix_runs_real_attackers_and_draws_final_bars(tmp_path: Path) -> None:
-    driver = load_script("run_experiments")
+    driver = run_experiments
     out = tmp_path / "robust"
     assert driver.main(["--experiment", "robustness", "--quick", "--seeds", "3",
                         "--variants", "robustness:plain mean", "robustness:median",
@@ -359,7 +358,7 @@ def test_robustness_matrix_runs_real_attackers_and_draws_final_bars(tmp_path: Pa
 def test_a_failing_run_in_a_worker_keeps_the_others_and_is_named(tmp_path: Path) -> None:
     import dataclasses
 
-    driver = load_script("run_experiments")
+    driver = run_experiments
     spec = driver.load_experiment("sharding_at_scale", quick=True)
     good, bad = spec.variants[0], spec.variants[1]
     bad = dataclasses.replace(bad, config={**bad.config, "learning-rate": -1.0})

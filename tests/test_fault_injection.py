@@ -18,11 +18,11 @@ from flwr.clientapp import ClientApp
 from clients.client_app import make_client_app
 from clients.state import load_state, save_state
 from fedddl.app_config import AppConfig
+from fedddl.flower.inline_grid import InlineGrid
 from fedddl.flower.protocol import parse_reply
 from fedddl.flower.records import bytes_to_array
 from strategies.registry import build_strategy
 from strategies.terngrad import TernGrad
-from tests.support.inline_grid import InlineGrid
 
 NODES = 10
 ROUNDS = 50

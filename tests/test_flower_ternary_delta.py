@@ -34,8 +34,8 @@ from fedddl.compression import IdentityCompressor, decode_update, encode_update
 from fedddl.flower import TernaryDelta, ternary_mod
 from fedddl.flower.delta_mod import STATE_MODEL, STATE_MODEL_LAYOUT
 from fedddl.flower.delta_protocol import DELTA, DELTA_KEY, META, UPDATES, digest, split_model
+from fedddl.flower.inline_grid import InlineGrid
 from fedddl.flower.records import array_to_bytes, bytes_to_array, unpack_tensors
-from tests.support.inline_grid import InlineGrid
 
 NODES = 4
 

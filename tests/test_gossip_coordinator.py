@@ -14,6 +14,7 @@ import pytest
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedddl.flower.inline_grid import InlineGrid
 from fedddl.gossip.peer_protocol import (
     ACTION,
     METRICS_RECORD,
@@ -25,7 +26,6 @@ from fedddl.gossip.peer_protocol import (
     REQUEST_RECORD,
 )
 from strategies.gossip_coordinator import GossipConfig, GossipError, GossipResult, run_gossip
-from tests.support.inline_grid import InlineGrid
 
 FINISH_AFTER_POLLS = 3
 

@@ -4,14 +4,16 @@
    ``fedddl/flower/``.
 2. ``clients/`` and ``strategies/`` never import each other.
 3. The Flower-free core (``fedddl/`` outside ``fedddl/flower/``) imports neither
-   ``strategies``, ``clients`` nor ``fedddl.flower``: entry points and one-release
-   re-exports of moved modules are the named exceptions below.
+   ``strategies``, ``clients`` nor ``fedddl.flower``: the command-line entry points and
+   ``fedddl/partition.py`` are the named exceptions below.
 4. ``fedddl/flower/`` imports neither ``strategies`` nor ``clients``, except the
    simulation runner, an entry point that builds both apps.
 5. ``fedddl/compression`` is layered: ``backends`` <- ``algorithms`` <- ``codecs`` <- the
    package's own modules (the facade ``__init__`` and ``warmup``). A module imports only
    from its own layer or a lower one, and the package's modules import one another
    without a cycle (lazy and ``TYPE_CHECKING`` imports count).
+6. ``simulations/`` (run as ``python -m simulations.NAME``) imports the installed packages
+   and its own modules, never ``tests``, and does not edit ``sys.path``.
 
 Imports are read from the syntax tree (``import x`` and ``from x import y``, at any depth,
 including the ones inside functions), so a violation fails here whatever the code path.
@@ -27,13 +29,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fedddl", "strategies", "clients")
 
-#: Core modules allowed to reach the Flower layer: entry points and moved-module re-exports.
+#: Core modules allowed to reach the Flower layer.
 CORE_EXCEPTIONS = {
     "fedddl/commands": "command-line entry points",
-    "fedddl/simulate.py": "re-export of fedddl.flower.simulation (moved; one release)",
-    "fedddl/deploy/fast_grid.py": "re-export of fedddl.flower.grid (moved; one release)",
-    "fedddl/deploy/fast_supernode.py": "re-export of fedddl.flower.fast_supernode (one release)",
-    "fedddl/deploy/warm_clientapp.py": "re-export of fedddl.deploy.warm_clientapp (one release)",
     "fedddl/partition.py": "names fedddl.flower's StratifiedPartitioner lazily (the documented"
     " fedddl.partition.StratifiedPartitioner; flwr-datasets is imported on first use only)",
 }
@@ -41,7 +39,7 @@ FLOWER_ENTRY_POINTS = {"fedddl/flower/simulation.py"}
 
 
 def _modules() -> list[Path]:
-    return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
+    return sorted(p for pkg in (*PACKAGES, "simulations") for p in (ROOT / pkg).rglob("*.py"))
 
 
 def imported(path: Path) -> set[str]:
@@ -76,6 +74,8 @@ def violations() -> list[str]:
         rel = _rel(path)
         top = rel.split("/")[0]
         in_flower = rel.startswith("fedddl/flower/")
+        if top == "simulations" and "sys.path" in path.read_text():
+            found.append(f"{rel}: edits sys.path (rule 5)")
         for name in sorted(imported(path)):
             flower_package = _under(name, "flwr") or _under(name, "flwr_datasets")
             if flower_package and top == "fedddl" and not in_flower:
@@ -88,6 +88,8 @@ def violations() -> list[str]:
                 for banned in ("strategies", "clients", "fedddl.flower"):
                     if _under(name, banned):
                         found.append(f"{rel}: imports {name} (rule 3: core -> {banned})")
+            if top == "simulations" and _under(name, "tests"):
+                found.append(f"{rel}: imports {name} (rule 5: simulations -> tests)")
             if in_flower and rel not in FLOWER_ENTRY_POINTS:
                 for banned in ("strategies", "clients"):
                     if _under(name, banned):
@@ -203,6 +205,8 @@ def test_the_exceptions_exist() -> None:
         ("clients/shard.py", "from strategies import registry\n", "rule 2"),
         ("strategies/sampling.py", "import clients.state\n", "rule 2"),
         ("fedddl/flower/grid.py", "from clients.client_app import app\n", "rule 4"),
+        ("simulations/tool_runners.py", "from tests.support import models\n", "rule 5"),
+        ("simulations/attack_table.py", "import sys\nsys.path.insert(0, '.')\n", "rule 5"),
     ],
 )
 def test_a_violation_is_caught(

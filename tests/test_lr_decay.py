@@ -10,11 +10,11 @@ from torch.testing import assert_close
 
 from clients.client_app import make_client_app
 from fedddl.app_config import AppConfig
+from fedddl.flower.inline_grid import InlineGrid
 from fedddl.lr_decay import StepDecay
 from fedddl.models import create_model
 from fedddl.replica import Replica
 from strategies.server_app import run_server
-from tests.support.inline_grid import InlineGrid
 
 
 def test_factor_drops_after_each_milestone() -> None:

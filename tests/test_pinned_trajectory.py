@@ -31,8 +31,8 @@ from flwr.app import Message
 
 from clients.client_app import make_client_app
 from fedddl.app_config import AppConfig
+from fedddl.flower.inline_grid import InlineGrid
 from strategies.server_app import run_server
-from tests.support.inline_grid import InlineGrid
 
 PINNED = Path(__file__).parent / "data" / "pinned_trajectories.json"
 NODES = 10

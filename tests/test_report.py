@@ -25,15 +25,14 @@ from fedddl.report.stats import (
     transfer_time,
 )
 from fedddl.report.tables import Table, fmt_reach, markdown_table
-from tests.support.scripts import load_script
+from simulations import run_experiments
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-DRIVER = Path(__file__).resolve().parents[1] / "simulations" / "run_experiments.py"
 
 
 def run_driver(argv: list[str]) -> int:
-    """Run ``simulations/run_experiments.py`` in-process (it is a script, not a package)."""
-    return int(load_script("run_experiments").main(argv))
+    """Run the experiment driver (``python -m simulations.run_experiments``) in-process."""
+    return int(run_experiments.main(argv))
 
 
 def png_size(path: Path) -> tuple[int, int]:

@@ -1,6 +1,6 @@
-"""``fedddl simulate`` end to end on Ray (one module-scoped run), checked against the
-in-process InlineGrid run of the same config: replicas in separate Ray worker
-processes follow the server's shadow replica bit for bit."""
+"""``fedddl simulate`` end to end on both engines (one module-scoped run each): the Ray run,
+replicas in separate Ray worker processes, gives the inline run's bytes, losses and final
+model bit for bit."""
 
 from __future__ import annotations
 
@@ -36,12 +36,29 @@ ARGS = [
 def simulated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("sim") / "result.json"
     os.environ.setdefault("FLWR_HOME", str(tmp_path_factory.mktemp("flwr_home")))
-    assert main(["simulate", *ARGS, "--out", str(out)]) == 0
+    assert main(["simulate", *ARGS, "--out", str(out)]) == 0  # --engine ray: the default
     result: dict[str, Any] = json.loads(Path(out).read_text())
     return result
 
 
-def test_json_has_the_documented_fields(simulated: dict[str, Any]) -> None:
+@pytest.fixture(scope="module")
+def inline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("inline") / "result.json"
+    assert main(["simulate", *ARGS, "--engine", "inline", "--out", str(out)]) == 0
+    result: dict[str, Any] = json.loads(Path(out).read_text())
+    return result
+
+
+@pytest.fixture(params=["ray", "inline"])
+def engine_result(request: pytest.FixtureRequest) -> dict[str, Any]:
+    result: dict[str, Any] = request.getfixturevalue(
+        "simulated" if request.param == "ray" else "inline"
+    )
+    return result
+
+
+def test_json_has_the_documented_fields(engine_result: dict[str, Any]) -> None:
+    simulated = engine_result
     assert simulated["config"]["strategy"] == "terngrad"
     assert simulated["config"]["min-replies"] == 2  # set only through --run-config
     assert simulated["config"]["learning-rate"] == 0.25  # --run-config wins over --lr
@@ -65,24 +82,44 @@ def test_json_has_the_documented_fields(simulated: dict[str, Any]) -> None:
     assert simulated["final_accuracy"] == rounds[-1]["accuracy"]
 
 
-def test_ray_run_matches_the_in_process_run_exactly(simulated: dict[str, Any]) -> None:
-    from clients.client_app import make_client_app
-    from strategies.server_app import run_server
-    from tests.support.inline_grid import InlineGrid
+def test_engines_are_recorded(simulated: dict[str, Any], inline: dict[str, Any]) -> None:
+    assert simulated["config"]["engine"] == "ray"
+    assert simulated["config"]["num-cpus-per-client"] == 1.0
+    assert inline["config"]["engine"] == "inline"
+    assert "num-cpus-per-client" not in inline["config"]  # no Ray resources inline
 
-    cfg = AppConfig(
-        num_server_rounds=3, seed=1, learning_rate=0.25, min_replies=2, min_available_nodes=2
-    )
-    local = run_server(InlineGrid(make_client_app(cfg), 3), cfg, progress=lambda _: None)
-    for ray_round, inline_round in zip(simulated["rounds"], local["rounds"], strict=True):
+
+def test_ray_run_matches_the_inline_run_exactly(
+    simulated: dict[str, Any], inline: dict[str, Any]
+) -> None:
+    for ray_round, inline_round in zip(simulated["rounds"], inline["rounds"], strict=True):
         assert ray_round["accuracy"] == inline_round["accuracy"]
         assert ray_round["loss"] == inline_round["loss"]
         assert ray_round["bytes_up"] == inline_round["bytes_up"]
         assert ray_round["bytes_down"] == inline_round["bytes_down"]
+    assert simulated["final_fingerprint"] == inline["final_fingerprint"] is not None
+
+
+def test_the_inline_engine_runs_the_apps_of_flwr_run() -> None:
+    """The Python API's inline engine gives what the ServerApp gives on an InlineGrid."""
+    from clients.client_app import make_client_app
+    from fedddl.flower.inline_grid import InlineGrid
+    from fedddl.flower.simulation import run
+    from strategies.server_app import run_server
+
+    cfg = AppConfig(num_server_rounds=2, seed=3, min_available_nodes=2)
+    result = run(cfg, num_clients=2, engine="inline", progress=None)
+    local = run_server(InlineGrid(make_client_app(cfg), 2), cfg, progress=lambda _: None)
+    assert [r["bytes_up"] for r in result["rounds"]] == [r["bytes_up"] for r in local["rounds"]]
+    assert result["final_fingerprint"] == local["final_fingerprint"] is not None
+    with pytest.raises(ValueError, match="engine must be one of ray, inline"):
+        run(cfg, num_clients=2, engine="dask")
 
 
 def test_bad_arguments_exit_2_without_running() -> None:
     assert main(["simulate", "--downlink", "reternarize", "--fraction-train", "0"]) == 2
+    with pytest.raises(SystemExit):
+        main(["simulate", "--engine", "dask"])  # argparse: not one of the choices
 
 
 @pytest.mark.parametrize(

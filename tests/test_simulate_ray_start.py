@@ -1,4 +1,4 @@
-"""fedddl.simulate.run starts Ray again, once, when Ray's node fails to start."""
+"""fedddl.flower.simulation.run starts Ray again, once, when Ray's node fails to start."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import flwr.simulation
 import pytest
 
-from fedddl.simulate import ray_failed_to_start, run
+from fedddl.flower.simulation import ray_failed_to_start, run
 
 _CONFIG = {"num-server-rounds": 1, "strategy": "terngrad"}
 

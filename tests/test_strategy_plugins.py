@@ -24,10 +24,10 @@ from fedddl.compression import (
     register_compressor,
 )
 from fedddl.flower.grid import CountingGrid
+from fedddl.flower.inline_grid import InlineGrid
 from fedddl.sync import Aggregate, Contribution
 from strategies.registry import build_strategy, load_strategy_class
 from strategies.terngrad import TernGrad
-from tests.support.inline_grid import InlineGrid
 
 
 class ScaledSign(Compressor):

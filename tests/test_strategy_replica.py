@@ -167,12 +167,12 @@ def _resync_costs(missed: tuple[int, ...]) -> tuple[int, list[tuple[int, str, in
 
     from clients.client_app import make_client_app
     from fedddl.app_config import AppConfig
+    from fedddl.flower.inline_grid import InlineGrid
     from fedddl.flower.protocol import build_train_content
     from fedddl.flower.records import content_nbytes
     from fedddl.sync import TrainInstruction
     from strategies.registry import build_strategy
     from strategies.terngrad import TernGrad
-    from tests.support.inline_grid import InlineGrid
 
     rounds = max(missed) + 1
     cfg = AppConfig(num_server_rounds=rounds, compressor="ternary-base3", update_log_size=8)

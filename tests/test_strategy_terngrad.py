@@ -1,6 +1,6 @@
 """TernGrad / GradientAverage protocol with real Flower Messages, in-process (no Ray).
 
-Each test drives ``Strategy.start`` on an :class:`~tests.support.inline_grid.InlineGrid`
+Each test drives ``Strategy.start`` on an :class:`~fedddl.flower.inline_grid.InlineGrid`
 that delivers every message to the real ClientApp with per-node ``context.state``.
 """
 
@@ -21,10 +21,10 @@ from fedddl.app_config import AppConfig
 from fedddl.compression import IdentityCompressor, encode_update
 from fedddl.compression.codecs.downlink import decode_broadcast_parts
 from fedddl.flower.grid import CountingGrid
+from fedddl.flower.inline_grid import InlineGrid
 from fedddl.flower.records import bytes_to_array
 from strategies.registry import build_strategy
 from strategies.terngrad import TernGrad
-from tests.support.inline_grid import InlineGrid
 
 
 def _run(
@@ -34,7 +34,9 @@ def _run(
     tamper: Callable[[Message, Message], Message] | None = None,
     before: Callable[[Message, Context], None] | None = None,
 ) -> tuple[TernGrad, InlineGrid]:
-    grid = InlineGrid(make_client_app(cfg), nodes, tamper=tamper, before=before)
+    grid = InlineGrid(
+        make_client_app(cfg), nodes, tamper=tamper, before=before, keep_sent=True
+    )
     strategy = build_strategy(cfg, cfg.model_factory())
     assert isinstance(strategy, TernGrad)
     strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=rounds)

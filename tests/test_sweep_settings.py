@@ -4,21 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-from tests.support.scripts import load_script
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _module() -> ModuleType:
-    return load_script("sweep_settings")  # its process pool pickles run_one by module name
+from simulations import sweep_settings
 
 
 def test_settings_parse_into_typed_run_config_values() -> None:
-    sweep = _module()
+    sweep = sweep_settings
     label, keys = sweep.parse_setting("ts: strategy='terngrad' error-feedback=true x=0.5")
     assert label == "ts"
     assert keys == {"strategy": "terngrad", "error-feedback": True, "x": 0.5}
@@ -33,7 +26,7 @@ def test_settings_parse_into_typed_run_config_values() -> None:
 def test_a_tiny_sweep_prints_the_table_and_writes_every_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    sweep = _module()
+    sweep = sweep_settings
     out = tmp_path / "runs.json"
     code = sweep.main([
         "--base", "num-server-rounds=2 eval-every=1 eval-samples=50",

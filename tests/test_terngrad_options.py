@@ -19,6 +19,7 @@ from fedddl.app_config import AppConfig
 from fedddl.compression import decode_update
 from fedddl.compression.codecs.downlink import decode_broadcast_parts
 from fedddl.data import as_tensors, load_dataset
+from fedddl.flower.inline_grid import InlineGrid
 from fedddl.models import create_model
 from fedddl.partition import stratified_shards
 from fedddl.replica import Replica
@@ -28,7 +29,6 @@ from fedddl.sync.exemptions import exempt_parameters, logits_parameters
 from fedddl.sync.worker import WorkerState, run_instruction
 from fedddl.training import compute_gradients, iterate_minibatches, named_gradients
 from strategies.server_app import run_server
-from tests.support.inline_grid import InlineGrid
 
 
 def _serve(cfg: AppConfig, nodes: int = 4) -> tuple[dict[str, Any], list[Message], list[Message]]:

@@ -17,11 +17,11 @@ from fedddl.app_config import AppConfig
 from fedddl.attacks import attacker_partitions, parse_attack
 from fedddl.attacks.tamper import many_tensors_payload
 from fedddl.compression import TernaryCompressor, encode_update, get_compressor, read_header
+from fedddl.flower.inline_grid import InlineGrid
 from fedddl.sync import ReplicaServer
 from fedddl.sync.resync_limit import ResyncLimiter
 from fedddl.sync.screening import PayloadSpec
 from strategies.server_app import run_server
-from tests.support.inline_grid import InlineGrid
 from tests.test_sync_server import Cluster
 
 NODES = 5
@@ -31,7 +31,7 @@ def _run(
     rounds: int, grid_nodes: int = NODES, **settings: Any
 ) -> tuple[dict[str, Any], InlineGrid]:
     cfg = AppConfig(num_server_rounds=rounds, min_available_nodes=grid_nodes, **settings)
-    grid = InlineGrid(make_client_app(cfg), grid_nodes)
+    grid = InlineGrid(make_client_app(cfg), grid_nodes, keep_sent=True)
     result = run_server(grid, cfg, progress=lambda line: None)
     json.dumps(result, allow_nan=False)  # strict JSON, whatever the clients said
     return result, grid
@@ -307,7 +307,7 @@ def test_simulate_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_roll_call_reply_of_a_node(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = AppConfig(num_server_rounds=1, min_available_nodes=3)
-    grid = InlineGrid(make_client_app(cfg), 3)
+    grid = InlineGrid(make_client_app(cfg), 3, keep_sent=True)
     from strategies.roll_call import roll_call
 
     assert roll_call(grid, 3) == {1000: 0, 1001: 1, 1002: 2}

@@ -1,4 +1,5 @@
-"""``fedddl simulate``: run the Flower app in-process on simulated clients, write JSON."""
+"""``fedddl simulate``: run the Flower app in-process on simulated clients (on Ray or inline),
+write JSON."""
 
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gpus-per-client",
         type=float,
         default=None,
-        help="Ray GPU share per client (default: 0 on the CPU, 1/num-clients on CUDA)",
+        help="Ray GPU share per client, with --engine ray "
+        "(default: 0 on the CPU, 1/num-clients on CUDA)",
     )
     parser.add_argument(
         "--compressor", default="ternary-base3", help="registered uplink compressor name (TernGrad)"
@@ -203,10 +205,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="evaluation: clients (chosen from --seed) that run --attack",
     )
     parser.add_argument(
+        "--engine",
+        default="ray",
+        choices=("ray", "inline"),
+        help="in-process engine: ray (one Ray actor per client, clients train in parallel) "
+        "or inline (no Ray: the clients of a round run one after another in this process, "
+        "replies in node order); the same apps, bytes and replicas per round",
+    )
+    parser.add_argument(
         "--cpus-per-client",
         type=float,
         default=1.0,
-        help="Ray CPUs per client (1: one actor per core)",
+        help="Ray CPUs per client, with --engine ray (1: one actor per core)",
     )
     parser.add_argument("--out", default="", help="results JSON path (default: not written)")
     parser.add_argument("--quiet", action="store_true", help="no per-round progress lines")
@@ -276,6 +286,7 @@ def run(args: argparse.Namespace) -> int:
         result = simulate(
             cfg,
             num_clients=args.num_clients,
+            engine=args.engine,
             num_cpus_per_client=args.cpus_per_client,
             num_gpus_per_client=args.gpus_per_client,
             out=args.out or None,

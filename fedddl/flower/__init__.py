@@ -5,6 +5,7 @@
 * :mod:`fedddl.flower.records`: raw bytes and tensors in Flower records;
 * :mod:`fedddl.flower.grid`: Grid wrappers (byte counting, fast reply polling);
 * :mod:`fedddl.flower.simulation`: the in-process simulation runner (an entry point);
+* :mod:`fedddl.flower.inline_grid`: the inline engine (``InlineGrid``, a Ray-free Grid);
 * :mod:`fedddl.flower.fast_supernode`, :mod:`fedddl.deploy.warm_clientapp`: deployment
   helpers that patch Flower's polling and ClientApp start-up;
 * :mod:`fedddl.flower.logs`: the core's log records in Flower's log;

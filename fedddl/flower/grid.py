@@ -283,7 +283,7 @@ def fast_poll(grid: Grid) -> Grid:
     :data:`SIMULATION_POLL_INTERVAL_S` (a pull there is an in-memory lookup) that wakes the
     engine's pickup on each push and pulls as soon as a reply is stored, when the
     simulation runs inside :func:`fedddl.flower.message_pickup.quick_message_pickup`.
-    Grids without push/pull (the tests' in-process grid) keep their own delivery.
+    Grids without push/pull (the inline engine's ``InlineGrid``) keep their own delivery.
     """
     try:
         from flwr.superlink.grid.http_grid import HttpGrid

@@ -1,42 +1,49 @@
-"""A Ray-free :class:`~flwr.serverapp.Grid` running a ClientApp in-process, node after node.
+"""The inline engine: a Ray-free :class:`~flwr.serverapp.Grid` that runs a ClientApp in-process.
 
-For tests and debugging of strategies with real :class:`~flwr.app.Message` objects:
-each node has its own persistent ``context.state`` and a ``node_config`` with
-``partition-id`` / ``num-partitions``, as in Flower's simulation. A ClientApp that
-raises produces an error reply, as Flower does. ``before`` (called with each message
-and the node's context before delivery) and ``tamper`` (called with each message and
-its reply) let tests inject faults.
+:class:`InlineGrid` delivers each message of ``send_and_receive`` to the ClientApp at once,
+node after node in the order sent, so replies come back in a fixed order and a run replays
+exactly. Each node keeps its own ``context.state`` for the whole run and gets the
+``node_config`` of Flower's simulation (``partition-id``, ``num-partitions``); node ids are
+``1000 + partition-id``. A ClientApp that raises yields an error reply, as in Flower.
+``push_messages`` / ``pull_messages`` are not supported.
+
+:func:`run_inline` runs a ServerApp on an :class:`InlineGrid`: the engine behind
+``fedddl simulate --engine inline``.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from uuid import uuid4
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.proto.node_pb2 import NodeInfo
-from flwr.serverapp import Grid
+from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-__all__ = ["InlineGrid"]
+__all__ = ["InlineGrid", "run_inline"]
+
+#: Node id of the first node (``partition-id`` 0).
+FIRST_NODE_ID = 1000
 
 
 class InlineGrid(Grid):
-    """Deliver every message to ``client_app`` synchronously.
+    """Deliver every message to ``client_app`` synchronously, in the caller's process.
 
     Parameters
     ----------
     client_app : ClientApp
         The app every node runs.
     num_nodes : int
-        Nodes with ids ``1000 + partition-id``.
+        Nodes with ids ``1000 + partition-id``; all online (``online`` lists them).
     tamper : Callable[[Message, Message], Message] | None
         ``tamper(message, reply)`` returns the reply to hand back (fault injection).
     before : Callable[[Message, Context], None] | None
-        Called before each delivery (e.g. to wipe a node's state).
+        Called with each message and its node's context before delivery.
+    keep_sent : bool
+        Keep every delivered message in ``sent`` (for inspection; grows with the run).
     """
 
     def __init__(
@@ -45,15 +52,20 @@ class InlineGrid(Grid):
         num_nodes: int,
         tamper: Callable[[Message, Message], Message] | None = None,
         before: Callable[[Message, Context], None] | None = None,
+        *,
+        keep_sent: bool = False,
     ) -> None:
+        if num_nodes < 1:
+            raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
         self.client_app = client_app
         self.tamper = tamper
         self.before = before
+        self.keep_sent = keep_sent
         self.sent: list[Message] = []
         self.contexts: dict[int, Context] = {
-            1000 + i: Context(
+            FIRST_NODE_ID + i: Context(
                 run_id=1,
-                node_id=1000 + i,
+                node_id=FIRST_NODE_ID + i,
                 node_config={"partition-id": i, "num-partitions": num_nodes},
                 state=RecordDict(),
                 run_config={},
@@ -67,7 +79,6 @@ class InlineGrid(Grid):
             if getattr(TaskIdentity, attr) is None:
                 setattr(TaskIdentity, attr, 1)
         self._run = Run.create_empty(run_id=1)
-        self.client_s = 0.0
 
     def set_run(self, run: Run) -> None:
         self._run = run
@@ -101,7 +112,7 @@ class InlineGrid(Grid):
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
-        """Run the ClientApp for each message (offline nodes do not reply)."""
+        """Run the ClientApp for each message in turn (offline nodes do not reply)."""
         replies: list[Message] = []
         for message in messages:
             node = message.metadata.dst_node_id
@@ -109,18 +120,29 @@ class InlineGrid(Grid):
                 continue
             message.metadata.__dict__["_message_id"] = str(uuid4())
             message.metadata.__dict__["_src_node_id"] = 1
-            self.sent.append(message)
+            if self.keep_sent:
+                self.sent.append(message)
             if self.before is not None:
                 self.before(message, self.contexts[node])
-            start = time.perf_counter()
             try:
                 reply = self.client_app(message, self.contexts[node])
             except Exception as err:
                 reply = Message(
                     Error(code=0, reason=f"{type(err).__name__}: {err}"), reply_to=message
                 )
-            self.client_s += time.perf_counter() - start
             if self.tamper is not None:
                 reply = self.tamper(message, reply)
             replies.append(reply)
         return replies
+
+
+def run_inline(server_app: ServerApp, client_app: ClientApp, num_nodes: int) -> InlineGrid:
+    """Run ``server_app`` to its end on an :class:`InlineGrid` of ``num_nodes`` nodes.
+
+    The ServerApp gets an empty ``run_config`` (bind its configuration when building it).
+    Returns the grid, whose ``contexts`` hold every node's final state.
+    """
+    grid = InlineGrid(client_app, num_nodes)
+    server_context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
+    server_app(grid, server_context)
+    return grid
