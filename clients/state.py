@@ -65,8 +65,7 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from torch import nn
 
 from clients.snapshot_files import FILE_KEYS, read_snapshot, write_snapshot
-from fedddl.compression import PayloadError, ResidualMemory
-from fedddl.compression.downlink import decode_broadcast_parts
+from fedddl.compression import ResidualMemory
 from fedddl.flower.records import (
     array_to_bytes,
     bytes_to_array,
@@ -77,7 +76,8 @@ from fedddl.flower.records import (
     unpack_tensors,
 )
 from fedddl.lr_decay import NO_DECAY, StepDecay
-from fedddl.replica import Replica, ReplicaError
+from fedddl.replica import Replica
+from fedddl.sync.journal import replay
 from fedddl.sync.worker import WorkerState
 
 __all__ = [
@@ -214,7 +214,7 @@ def load_state(
         return WorkerState(None, name, ResidualMemory(residuals))
     replica = Replica(model_fn(), learning_rate, momentum, version=0, lr_decay=lr_decay)
     replica.load_snapshot(unpack_tensors(blob, layout), saved)
-    journal = _replay(replica, entries)
+    journal = list(replay(replica, entries))
     kept = chains[: len(journal) + 1] if chains is not None else []
     return WorkerState(replica, name, ResidualMemory(residuals), journal, saved, kept)
 
@@ -246,7 +246,7 @@ def _take(
     at = replica.version
     mine = shared.history.get(at, ("", None))[0]
     if saved <= at <= version and mine == chains[at - saved]:
-        _replay(replica, entries[at - saved :])
+        list(replay(replica, entries[at - saved :]))
         return (entries, chains) if replica.version == version else None
     if at <= version or updates is None or target is None or at > target:
         return None
@@ -312,25 +312,6 @@ def _layout(value: object) -> ConfigRecord | None:
         return ConfigRecord(parsed)
     except (TypeError, ValueError) as err:
         raise ValueError(f"context.state snapshot layout is malformed: {err}") from None
-
-
-def _replay(replica: Replica, entries: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
-    """Apply the journaled updates in order; stop at the first that does not apply.
-
-    A replica left behind the saved version is not an error: the client reports the
-    version it reached and the server catches it up.
-    """
-    applied: list[tuple[int, bytes]] = []
-    for version, payload in entries:
-        if version != replica.version + 1:
-            break
-        try:
-            update, statistics = decode_broadcast_parts(payload)
-            replica.apply_update(update, version, statistics)
-        except (PayloadError, ReplicaError):
-            break
-        applied.append((version, payload))
-    return applied
 
 
 def save_state(
