@@ -31,7 +31,7 @@ from fedddl.sync import (
     VersionMismatch,
     running_mean,
 )
-from fedddl.sync import server as server_module
+from fedddl.sync import admission as admission_module
 from fedddl.sync.nodes import NodeBook
 from fedddl.sync.worker import WorkerState, run_instruction
 
@@ -309,17 +309,17 @@ def test_small_replies_decoded_in_batches_give_the_model_decoding_one_by_one_giv
 ) -> None:
     batched, single = Cluster(), Cluster()
     sizes: list[int] = []
-    real = server_module.decode_small_batch
+    real = admission_module.decode_small_batch
 
     def counted(messages: list[OpenedMessage], like: dict[str, torch.Tensor]) -> object:
         sizes.append(len(messages))
         return real(messages, like)
 
-    monkeypatch.setattr(server_module, "decode_small_batch", counted)
+    monkeypatch.setattr(admission_module, "decode_small_batch", counted)
     for _ in range(3):
         batched.step()
         with monkeypatch.context() as one_by_one:
-            one_by_one.setattr(server_module, "BATCH_DECODE_BYTES", 1)  # batches of one reply
+            one_by_one.setattr(admission_module, "BATCH_DECODE_BYTES", 1)  # batches of one reply
             single.step()
     assert sizes == [len(NODES), 1, 1, 1, 1] * 3
     assert batched.server.shadow.fingerprint() == single.server.shadow.fingerprint()
@@ -352,7 +352,7 @@ def test_a_failing_batch_decode_falls_back_to_decoding_reply_by_reply(
     def broken(messages: list[OpenedMessage], like: dict[str, torch.Tensor]) -> object:
         raise IndexError("a decoder bug")
 
-    monkeypatch.setattr(server_module, "decode_small_batch", broken)
+    monkeypatch.setattr(admission_module, "decode_small_batch", broken)
     report = failing.server.aggregate(1, failing.replies())
     monkeypatch.undo()
     plain.step()
