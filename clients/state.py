@@ -1,55 +1,25 @@
 """Persistence of a client's replica, optimiser momentum and residuals in ``context.state``.
 
-``context.state`` is the source of truth (Flower keeps it between rounds, in simulation and
-in deployment, whichever process serves the next message). It holds a *snapshot* of the
-replica (weights, BatchNorm buffers, momentum) taken at some version and a *journal*: the
-encoded broadcast updates applied since. Replaying the journal on the snapshot rebuilds the
-replica bit for bit (the same property the server's update log relies on), so a round
-writes only the small encoded update it applied; a full snapshot is written again every
+``context.state`` (kept by Flower between rounds, whichever process serves the next
+message) holds a *snapshot* of the replica taken at some version and a *journal*: the
+encoded broadcast updates applied since, replayed onto the snapshot bit for bit
+(:func:`fedddl.sync.journal.replay`). A full snapshot is written again every
 :data:`JOURNAL_LIMIT` updates, after a server snapshot, or when the journal cannot be
-trusted.
+trusted. Records:
 
-Records:
-
-* ``"fedddl.replica"`` ArrayRecord: :meth:`fedddl.replica.Replica.snapshot` tensors packed
-  in one byte Array (``"blob"``), unless the snapshot is in a file (:mod:`clients.snapshot_files`);
+* ``"fedddl.replica"`` ArrayRecord: the packed snapshot (``"blob"``), unless it is in a file
+  (:mod:`clients.snapshot_files`);
 * ``"fedddl.residual"`` ArrayRecord: error-feedback residuals (when enabled);
-* ``"fedddl.meta"`` ConfigRecord: ``version``, ``saved-version`` (the snapshot's), the
-  uplink ``compressor`` name, ``layout`` (the snapshot's tensor layout, as JSON),
-  ``journal`` (the encoded updates producing versions ``saved-version + 1`` to
-  ``version``, in order) and ``chains``: the *history digest* of the replica at the
-  snapshot's version and after each journaled update.
+* ``"fedddl.meta"`` ConfigRecord, everything a round changes: ``version``,
+  ``saved-version``, ``compressor``, ``layout`` (JSON), ``journal`` (the updates producing
+  versions ``saved-version + 1`` to ``version``) and ``chains``, the *history digests*.
 
-Everything a round changes sits in that one ConfigRecord: Flower's simulation pickles a
-node's whole ``context.state`` to the actor and back with every message, at a fixed cost
-per record and per Array (about 11 and 5 µs to pickle). With the journal as one Array per
-update and the layout in a record of its own, a digits client's ``Context`` took 47-49 µs to
-pickle and 15-16 µs to load; as one record, 27 and 9-10 (FedAvg's: 16 and 4).
-
-A history digest names the exact sequence of states a replica went through: at a snapshot
-it is the BLAKE2b digest of the version and the snapshot's bytes, and each update extends
-it with the update's version and encoded bytes (:func:`extend_chain`). Two replicas with
-the same digest at the same version hold the same weights, buffers and momentum bit for
-bit, whichever client they belong to: every client of a run applies the same broadcast
-updates to the same seeded model.
-
-As a speed-up, a process keeps the live replica saved last **per run** (``key``), shared by
-every client of that run it serves, with the digests and updates of its last
-:data:`JOURNAL_LIMIT` versions. :func:`load_state` takes it (and removes it from the
-process while the handler runs, so a handler that fails half-way can never leave a
-modified replica behind) when the client's digest matches it:
-
-* at the same version: used as it is;
-* at an older version within the client's journal: *caught up* with the client's
-  journaled updates (Flower's simulation actors have no client affinity, so another
-  process may have served the client since);
-* at a newer version whose updates the client's message brings, byte for byte, and the
-  client's digest is in the replica's history: the client adopts those updates (journal
-  and digests) without applying them again. In a simulation actor the first client of a
-  round applies the broadcast update and the others of that round reuse it.
-
-Anything else rebuilds the client's replica from its records. A process therefore holds
-one replica per run, not one per client.
+A history digest names the exact sequence of states a replica went through (the snapshot,
+then each update, :func:`extend_chain`): two replicas with the same digest hold the same
+state bit for bit. A process keeps the live replica saved last per run (``key``), which
+:func:`load_state` takes instead of deserializing when the client's digest shows it is the
+same replica, one its journal catches up, or one ahead by the updates the client's message
+brings; anything else is rebuilt from the records.
 """
 
 from __future__ import annotations
@@ -65,8 +35,7 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from torch import nn
 
 from clients.snapshot_files import FILE_KEYS, read_snapshot, write_snapshot
-from fedddl.compression import PayloadError, ResidualMemory
-from fedddl.compression.codecs.downlink import decode_broadcast_parts
+from fedddl.compression import ResidualMemory
 from fedddl.flower.records import (
     array_to_bytes,
     bytes_to_array,
@@ -77,7 +46,8 @@ from fedddl.flower.records import (
     unpack_tensors,
 )
 from fedddl.lr_decay import NO_DECAY, StepDecay
-from fedddl.replica import Replica, ReplicaError
+from fedddl.replica import Replica
+from fedddl.sync.journal import replay
 from fedddl.sync.worker import WorkerState
 
 __all__ = [
@@ -210,7 +180,7 @@ def load_state(
         return WorkerState(None, name, ResidualMemory(residuals))
     replica = Replica(model_fn(), learning_rate, momentum, version=0, lr_decay=lr_decay)
     replica.load_snapshot(unpack_tensors(blob, layout), saved)
-    journal = _replay(replica, entries)
+    journal = list(replay(replica, entries))
     kept = chains[: len(journal) + 1] if chains is not None else []
     return WorkerState(replica, name, ResidualMemory(residuals), journal, saved, kept)
 
@@ -242,7 +212,7 @@ def _take(
     at = replica.version
     mine = shared.history.get(at, ("", None))[0]
     if saved <= at <= version and mine == chains[at - saved]:
-        _replay(replica, entries[at - saved :])
+        list(replay(replica, entries[at - saved :]))
         return (entries, chains) if replica.version == version else None
     if at <= version or updates is None or target is None or at > target:
         return None
@@ -308,25 +278,6 @@ def _layout(value: object) -> ConfigRecord | None:
         return ConfigRecord(parsed)
     except (TypeError, ValueError) as err:
         raise ValueError(f"context.state snapshot layout is malformed: {err}") from None
-
-
-def _replay(replica: Replica, entries: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
-    """Apply the journaled updates in order; stop at the first that does not apply.
-
-    A replica left behind the saved version is not an error: the client reports the
-    version it reached and the server catches it up.
-    """
-    applied: list[tuple[int, bytes]] = []
-    for version, payload in entries:
-        if version != replica.version + 1:
-            break
-        try:
-            update, statistics = decode_broadcast_parts(payload)
-            replica.apply_update(update, version, statistics)
-        except (PayloadError, ReplicaError):
-            break
-        applied.append((version, payload))
-    return applied
 
 
 def save_state(

@@ -1,32 +1,12 @@
 """TernGrad: localized replicas, ternary gradients up, compressed aggregate down.
 
-A thin Flower :class:`~flwr.serverapp.strategy.Strategy` around the Flower-free
-:class:`fedddl.sync.server.ReplicaServer`, which it inherits. A round (one message per
-sampled client):
-
-1. ``configure_train``: sample nodes (:func:`strategies.sampling.sample_nodes`); each gets
-   the encoded broadcast updates it misses, or a snapshot of the server's shadow replica
-   when it is further behind, plus the version it must reach before computing
-   (:meth:`~fedddl.sync.server.ReplicaServer.plan_round`, messages by
-   :mod:`fedddl.flower.protocol`).
-2. The client applies them with the shared optimiser, computes its (pseudo-)gradient on
-   its shard, encodes it and replies with payload, fingerprint and version.
-3. ``aggregate_train``: parse each reply and hand it to
-   :meth:`~fedddl.sync.server.ReplicaServer.aggregate` (checks, aggregation, downlink,
-   shadow update). The shadow replica (server-local, never sent) is what the ServerApp
-   evaluates on the held-out split (:meth:`TernGrad.global_model`).
-
-Model weights never travel, except as a catch-up snapshot.
-
-Variants override one method of :class:`~fedddl.sync.server.ReplicaServer`, the way
-Flower's ``FedMedian`` overrides one method of ``FedAvg``:
-
-* :meth:`compressor_name` (see :class:`strategies.gradient_average.GradientAverage`),
-* :meth:`validate_reply`, checks of a parsed reply against the round,
-* :meth:`aggregate_gradients`, how accepted gradients are combined,
-* :meth:`encode_downlink`, the broadcast bytes of the aggregate.
-
-The ServerApp talks to it through :class:`strategies.replica_strategy.ReplicaStrategy`.
+A Flower :class:`~flwr.serverapp.strategy.Strategy` that owns a Flower-free
+:class:`~fedddl.sync.server.ReplicaServer` (catch-up planner, reply admission, aggregation
+and downlink, shadow replica) and carries its override points: a variant overrides one of
+:meth:`TernGrad.compressor_name`, :meth:`TernGrad.validate_reply`,
+:meth:`TernGrad.aggregate_gradients`, :meth:`TernGrad.encode_downlink`, as Flower's
+``FedMedian`` overrides one method of ``FedAvg``. Model weights never travel, except as a
+catch-up snapshot; the ServerApp evaluates the shadow replica (:meth:`global_model`).
 """
 
 from __future__ import annotations
@@ -43,16 +23,30 @@ from flwr.serverapp.strategy import Strategy
 from torch import nn
 
 from fedddl.app_config import AppConfig
+from fedddl.checkpoint import ServerCheckpoint
 from fedddl.flower.logs import use_flower_logging
 from fedddl.flower.protocol import MAX_EXAMPLES, build_train_content, parse_reply
-from fedddl.sync import ClientReply, FingerprintMismatch, ParseFailure, ReplicaServer, ReplyError
+from fedddl.replica import Replica, UpdateLog
+from fedddl.sync import (
+    Aggregate,
+    ClientReply,
+    Contribution,
+    FingerprintMismatch,
+    ParseFailure,
+    ReplicaServer,
+    ReplyError,
+    TrainInstruction,
+)
 from fedddl.sync import RoundReport as RoundReport
+from fedddl.sync.nodes import NodeBook
+from fedddl.sync.scale_bound import ScaleBound
+from fedddl.sync.server import DEFAULT_COMPRESSOR
 from strategies.sampling import sample_nodes
 
 __all__ = ["FingerprintMismatch", "RoundReport", "TernGrad"]
 
 
-class TernGrad(ReplicaServer, Strategy):
+class TernGrad(Strategy):
     """Synchronous data-parallel SGD with ternary gradients and a versioned shadow replica.
 
     Parameters
@@ -67,11 +61,15 @@ class TernGrad(ReplicaServer, Strategy):
         Seconds to wait for ``min_available_nodes`` before failing.
     max_examples : int
         Largest ``num-examples`` a reply may report (larger: dropped).
+    compressor : str
+        The uplink compressor (:meth:`compressor_name`'s default).
     **server : Any
-        The :class:`~fedddl.sync.server.ReplicaServer` settings: ``learning_rate``,
-        ``momentum``, ``compressor``, ``clip_sigma``, ``downlink``, ``update_log_size``,
-        ``seed``, ``min_replies``, ``fp32_min_numel``, ``fp32_logits``, ``fp32_warmup_rounds``,
-        ``defenses``.
+        The other :class:`~fedddl.sync.server.ReplicaServer` settings.
+
+    Attributes
+    ----------
+    server : ReplicaServer
+        The parts, with this strategy as their override points.
     """
 
     def __init__(
@@ -82,11 +80,13 @@ class TernGrad(ReplicaServer, Strategy):
         min_available_nodes: int = 2,
         wait_timeout: float = 600.0,
         max_examples: int = MAX_EXAMPLES,
+        compressor: str = DEFAULT_COMPRESSOR,
         **server: Any,
     ) -> None:
         if not 0 < fraction_train <= 1:
             raise ValueError(f"fraction_train must be in (0, 1], got {fraction_train}")
-        super().__init__(model_fn, **server)
+        self.compressor = compressor
+        self.server = ReplicaServer(model_fn, compressor=compressor, hooks=self, **server)
         self.fraction_train = fraction_train
         self.min_available_nodes = min_available_nodes
         self.wait_timeout = wait_timeout
@@ -116,10 +116,103 @@ class TernGrad(ReplicaServer, Strategy):
             fp32_warmup_rounds=cfg.fp32_warmup_rounds,
         )
 
+    # ------------------------------------------------------------ override points
+    def compressor_name(self) -> str:
+        """Override point: the uplink compressor clients use (and the server re-encodes with)."""
+        return self.compressor
+
+    def validate_reply(self, reply: ClientReply, expected_version: int | None) -> None:
+        """Override point: raise a ``ReplyError`` subclass to drop a reply that does not fit
+        the round (default: not asked, a resync request, wrong version or fingerprint)."""
+        self.server.validate_reply(reply, expected_version)
+
+    def aggregate_gradients(self, contributions: Iterable[Contribution]) -> Aggregate:
+        """Override point: combine the admitted gradients, each in a buffer the next one
+        overwrites (default: the configured aggregator of :mod:`fedddl.sync.robust`)."""
+        return self.server.aggregate_gradients(contributions)
+
+    def encode_downlink(self, server_round: int, aggregate: Aggregate) -> tuple[bytes, str]:
+        """Override point: the broadcast bytes of the aggregate and their format (default:
+        the shared-scale sum when it applies, else the re-encoded aggregate)."""
+        return self.server.encode_downlink(server_round, aggregate)
+
+    # ------------------------------------------------------ the server's state
+    @property
+    def shadow(self) -> Replica:
+        """The server's replica (see :attr:`ReplicaServer.shadow`)."""
+        return self.server.shadow
+
+    @property
+    def log(self) -> UpdateLog:
+        """Encoded broadcast updates, by the version they produce."""
+        return self.server.log
+
+    @property
+    def fingerprints(self) -> dict[int, str]:
+        """Fingerprints of recent versions."""
+        return self.server.fingerprints
+
+    @property
+    def reports(self) -> list[RoundReport]:
+        """One report per aggregated round."""
+        return self.server.reports
+
+    @property
+    def nodes(self) -> NodeBook:
+        """What the server knows about each node's replica."""
+        return self.server.nodes
+
+    @property
+    def scale_bound(self) -> ScaleBound:
+        """The header scale bound and its history."""
+        return self.server.scale_bound
+
+    @property
+    def min_replies(self) -> int:
+        """Admitted replies a round needs to apply an update."""
+        return self.server.min_replies
+
+    @min_replies.setter
+    def min_replies(self, value: int) -> None:
+        self.server.min_replies = value
+
+    @property
+    def round_offset(self) -> int:
+        """Rounds completed before a restore (added to Flower's round numbers)."""
+        return self.server.round_offset
+
+    @property
+    def seed(self) -> int:
+        """Seeds node sampling and the server-side compressor."""
+        return self.server.seed
+
+    @property
+    def downlink(self) -> str:
+        """The downlink format setting."""
+        return self.server.downlink
+
+    def plan_round(self, server_round: int, nodes: Iterable[int]) -> dict[int, TrainInstruction]:
+        """See :meth:`ReplicaServer.plan_round`."""
+        return self.server.plan_round(server_round, nodes)
+
+    def aggregate(
+        self, server_round: int, replies: Iterable[ClientReply | ParseFailure]
+    ) -> RoundReport:
+        """See :meth:`ReplicaServer.aggregate`."""
+        return self.server.aggregate(server_round, replies)
+
+    def checkpoint(self, server_round: int, config: dict[str, object]) -> ServerCheckpoint:
+        """The state to save after global round ``server_round``."""
+        return self.server.checkpoint(server_round, config)
+
+    def restore(self, ckpt: ServerCheckpoint) -> None:
+        """Continue from ``ckpt`` (raises ``CheckpointError`` and changes nothing if unfit)."""
+        self.server.restore(ckpt)
+
     # ------------------------------------------------- what the ServerApp asks
     def round_report(self) -> RoundReport | None:
         """The report of the latest aggregated round (None before the first)."""
-        return self.last_report
+        return self.server.last_report
 
     def global_model(self) -> nn.Module:
         """The shadow replica's model (what every client replica equals)."""
@@ -200,14 +293,12 @@ class TernGrad(ReplicaServer, Strategy):
         log(INFO, "\t├──> Downlink: %s", self.downlink)
         log(INFO, "\t├──> Fraction train: %.2f", self.fraction_train)
         log(INFO, "\t├──> Min replies: %d", self.min_replies)
-        log(INFO, "\t├──> Aggregator: %s", self.defenses.aggregator)
+        log(INFO, "\t├──> Aggregator: %s", self.server.defenses.aggregator)
         log(INFO, "\t├──> Scale bound: %g (%s)", self.scale_bound.factor, self.scale_bound.action)
         log(INFO, "\t└──> Update log size: %d", self.log.capacity)
 
 
-def _parsed(
-    replies: Iterable[Message], max_examples: int
-) -> Iterator[ClientReply | ParseFailure]:
+def _parsed(replies: Iterable[Message], max_examples: int) -> Iterator[ClientReply | ParseFailure]:
     """Each reply parsed, or the reason it could not be (any exception: the reply's fault)."""
     for message in replies:
         try:

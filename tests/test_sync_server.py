@@ -31,7 +31,7 @@ from fedddl.sync import (
     VersionMismatch,
     running_mean,
 )
-from fedddl.sync import server as server_module
+from fedddl.sync import admission as admission_module
 from fedddl.sync.nodes import NodeBook
 from fedddl.sync.worker import WorkerState, run_instruction
 
@@ -309,17 +309,17 @@ def test_small_replies_decoded_in_batches_give_the_model_decoding_one_by_one_giv
 ) -> None:
     batched, single = Cluster(), Cluster()
     sizes: list[int] = []
-    real = server_module.decode_small_batch
+    real = admission_module.decode_small_batch
 
     def counted(messages: list[OpenedMessage], like: dict[str, torch.Tensor]) -> object:
         sizes.append(len(messages))
         return real(messages, like)
 
-    monkeypatch.setattr(server_module, "decode_small_batch", counted)
+    monkeypatch.setattr(admission_module, "decode_small_batch", counted)
     for _ in range(3):
         batched.step()
         with monkeypatch.context() as one_by_one:
-            one_by_one.setattr(server_module, "BATCH_DECODE_BYTES", 1)  # batches of one reply
+            one_by_one.setattr(admission_module, "BATCH_DECODE_BYTES", 1)  # batches of one reply
             single.step()
     assert sizes == [len(NODES), 1, 1, 1, 1] * 3
     assert batched.server.shadow.fingerprint() == single.server.shadow.fingerprint()
@@ -352,9 +352,53 @@ def test_a_failing_batch_decode_falls_back_to_decoding_reply_by_reply(
     def broken(messages: list[OpenedMessage], like: dict[str, torch.Tensor]) -> object:
         raise IndexError("a decoder bug")
 
-    monkeypatch.setattr(server_module, "decode_small_batch", broken)
+    monkeypatch.setattr(admission_module, "decode_small_batch", broken)
     report = failing.server.aggregate(1, failing.replies())
     monkeypatch.undo()
     plain.step()
     assert report.accepted == sorted(NODES) and not report.skipped
     assert failing.server.shadow.fingerprint() == plain.server.shadow.fingerprint()
+
+
+def test_admission_runs_its_checks_in_the_listed_order() -> None:
+    """A reply failing several checks is dropped for the first listed: round, header,
+    local scales, statistics."""
+    names = [check.__name__ for check in admission_module.REPLY_CHECKS]
+    assert names == ["check_round", "check_header", "check_local_scales", "check_statistics_of"]
+    cluster = Cluster(downlink="shared-scale-sum", compressor="ternary")
+    good = cluster.replies()
+    stale = dataclasses.replace(good[0], model_version=7, payload=b"junk")  # round + header
+    junk = dataclasses.replace(good[1], payload=b"junk", scales=torch.ones(1))  # header + scales
+    short = dataclasses.replace(good[2], scales=torch.ones(1), statistics=b"x")  # scales + stats
+    report = cluster.server.aggregate(1, [stale, junk, short, good[3]])
+    assert "is at version 7, expected 0" in report.dropped[stale.node_id]
+    assert "payload rejected" in report.dropped[junk.node_id]
+    assert "local scales" not in report.dropped[junk.node_id]
+    assert "local scales for 4 tensors" in report.dropped[short.node_id]
+    assert report.accepted == [good[3].node_id]
+
+
+def test_one_journal_replay_skips_applied_updates_and_stops_at_a_gap_or_a_bad_update() -> None:
+    from fedddl.replica import Replica
+    from fedddl.sync.journal import replay
+
+    cluster = Cluster()
+    for _ in range(3):
+        cluster.step()
+    logged = cluster.server.log.since(0)
+    assert [v for v, _ in logged] == [1, 2, 3]
+
+    def fresh() -> Replica:
+        cfg = cluster.cfg
+        return Replica(cfg.model_factory()(), cfg.learning_rate, cfg.momentum, version=0)
+
+    replica = fresh()
+    applied = list(replay(replica, [logged[0], logged[0], *logged[1:]]))  # a repeat: skipped
+    assert applied == logged and replica.fingerprint() == cluster.server.shadow.fingerprint()
+    replica = fresh()
+    assert list(replay(replica, [logged[0], logged[2]])) == logged[:1]  # a gap: stop
+    assert replica.version == 1
+    replica = fresh()
+    bad = (2, b"not a broadcast")
+    assert list(replay(replica, [logged[0], bad, logged[2]])) == logged[:1]  # bad: stop
+    assert replica.version == 1

@@ -4,7 +4,7 @@ The server decodes each accepted reply into one reused buffer and hands it to th
 aggregation as a :class:`Contribution`; :func:`running_mean` adds it to a float32
 accumulator, so server memory does not grow with the number of clients. When the
 round's downlink is ``shared-scale-sum`` it also sums the replies' ternary codes (exact
-integers), which :func:`fedddl.compression.downlink.encode_shared_sum` sends without a
+integers), which :func:`fedddl.compression.codecs.downlink.encode_shared_sum` sends without a
 second quantisation.
 
 A robust variant (a median, say) needs every gradient at once: it must copy each

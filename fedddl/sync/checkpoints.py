@@ -22,8 +22,9 @@ from fedddl.checkpoint import CheckpointError, ServerCheckpoint
 from fedddl.compression import PayloadError, ResidualMemory
 from fedddl.compression.codecs.downlink import decode_broadcast
 from fedddl.replica import Replica, ReplicaError, UpdateLog
+from fedddl.sync.scale_bound import ScaleBound
 
-__all__ = ["Restored", "capture", "load"]
+__all__ = ["Restored", "capture", "load", "load_scale_bound"]
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,25 @@ def load(
         memory=ResidualMemory({str(k): v for k, v in memory.items()}),
         shared_scales=None if scales is None else scales.clone(),
     )
+
+
+def load_scale_bound(ckpt: ServerCheckpoint, bound: ScaleBound) -> ScaleBound:
+    """``bound`` (a fresh scale bound) with the history ``ckpt`` saved, if any.
+
+    Raises
+    ------
+    CheckpointError
+        If the saved state is malformed.
+    """
+    saved = ckpt.strategy_state.get("scale_bound")
+    if saved is not None:
+        if not isinstance(saved, dict):
+            raise CheckpointError("checkpoint scale_bound state must be a dict")
+        try:
+            bound.load_state(saved)
+        except ValueError as err:
+            raise CheckpointError(f"checkpoint scale_bound state: {err}") from err
+    return bound
 
 
 def _check_finite(tensors: Mapping[str, Any], what: str) -> None:

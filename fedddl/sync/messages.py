@@ -12,9 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
+from fedddl.sync.errors import ReplyError
+
 __all__ = [
     "FINGERPRINT_BYTES",
     "ClientReply",
+    "ParseFailure",
     "TrainInstruction",
     "fingerprint_prefix",
 ]
@@ -121,3 +124,11 @@ class ClientReply:
     def resync_request(cls, node_id: int, model_version: int) -> ClientReply:
         """The reply of a client that cannot reach the requested version."""
         return cls(node_id, model_version, "", None, 0, math.nan)
+
+
+@dataclass(frozen=True)
+class ParseFailure:
+    """A reply that could not even be parsed (error reply, missing or malformed records)."""
+
+    node_id: int
+    error: ReplyError

@@ -7,7 +7,7 @@ rounds, the largest scale of a tensor was at most 5.4 × the round's median); on
 reporting ``1e6`` or ``1e30`` is not honest and would dominate a mean.
 
 :class:`ScaleBound` reads the scales from the payload *headers*
-(:func:`fedddl.compression.wire.read_header`), before anything is decoded. Per tensor:
+(:func:`fedddl.compression.codecs.wire.read_header`), before anything is decoded. Per tensor:
 
 * ``reference`` = the lower median of the scales of this round's screened replies together
   with the accepted scales of the previous ``rounds`` rounds (so a round whose replies are
@@ -23,7 +23,7 @@ reporting ``1e6`` or ``1e30`` is not honest and would dominate a mean.
 Only the scales at or below their bound enter the history. ``factor = 0`` disables the
 bound. A dense entry (TernGrad's fp32-exempt tensors, a compressor's small tensors sent
 uncompressed) is bounded the same way by its largest magnitude
-(:attr:`~fedddl.compression.wire.EntryHeader.peak`, measured from the header's dense data
+(:attr:`~fedddl.compression.codecs.wire.EntryHeader.peak`, measured from the header's dense data
 before anything else is decoded); clipping it clamps its values to ``± bound``.
 """
 

@@ -9,8 +9,8 @@ most :attr:`PayloadSpec.max_bytes` bytes in all; the fp32-exempt parameters
 (:mod:`fedddl.sync.exemptions`) are always dense.
 
 :meth:`PayloadSpec.check` reads the header with
-:func:`fedddl.compression.wire.open_message` (the checks of
-:func:`~fedddl.compression.wire.read_header`), which rejects a message over ``max_bytes`` or
+:func:`fedddl.compression.codecs.wire.open_message` (the checks of
+:func:`~fedddl.compression.codecs.wire.read_header`), which rejects a message over ``max_bytes`` or
 declaring more tensors than the model has *before* parsing its entries, so the work one
 reply can cause is proportional to the model, not to what the client declares (a message of
 65,536 one-element tensors is rejected from its 18-byte prefix). No ternary value is decoded

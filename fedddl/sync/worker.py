@@ -23,17 +23,16 @@ from torch import nn
 from fedddl.app_config import AppConfig
 from fedddl.compression import (
     IdentityCompressor,
-    PayloadError,
     ResidualMemory,
     encode_update,
     local_scales,
     make_compressor,
 )
-from fedddl.compression.codecs.downlink import decode_broadcast_parts
-from fedddl.replica import Replica, ReplicaError
+from fedddl.replica import Replica
 from fedddl.running_stats import record_batch_statistics
 from fedddl.seeding import derive_seed
 from fedddl.sync.exemptions import exempt_parameters
+from fedddl.sync.journal import replay
 from fedddl.sync.messages import ClientReply, TrainInstruction, fingerprint_prefix
 from fedddl.training import gradients_of, iterate_minibatches, local_sgd
 
@@ -144,18 +143,7 @@ def reach_version(
         )
         state.journal, state.saved_version = [], None
     replica = state.replica
-    buffers = _device_buffers(replica)
-    for version, payload in instruction.updates:
-        if version <= replica.version:
-            continue
-        if version != replica.version + 1:
-            break
-        try:
-            update, statistics = decode_broadcast_parts(payload, out=buffers)
-            replica.apply_update(update, version, statistics)
-        except (PayloadError, ReplicaError):
-            break
-        state.journal.append((version, payload))
+    state.journal.extend(replay(replica, instruction.updates, out=_device_buffers(replica)))
     return replica if replica.version == instruction.model_version else None
 
 
