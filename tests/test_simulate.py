@@ -41,6 +41,7 @@ def simulated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return result
 
 
+@pytest.mark.slow
 def test_json_has_the_documented_fields(simulated: dict[str, Any]) -> None:
     assert simulated["config"]["strategy"] == "terngrad"
     assert simulated["config"]["min-replies"] == 2  # set only through --run-config
@@ -65,6 +66,7 @@ def test_json_has_the_documented_fields(simulated: dict[str, Any]) -> None:
     assert simulated["final_accuracy"] == rounds[-1]["accuracy"]
 
 
+@pytest.mark.slow
 def test_ray_run_matches_the_in_process_run_exactly(simulated: dict[str, Any]) -> None:
     from clients.client_app import make_client_app
     from strategies.server_app import run_server
