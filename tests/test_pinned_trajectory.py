@@ -13,6 +13,8 @@ in-process grid, 10 digits clients, 20 rounds, and is compared with two referenc
   Float last bits depend on the CPU (vendor and vector instructions) and the torch build,
   so this check runs only where a recording's ``environment`` matches this machine.
 
+``tests/test_pinned_wire.py`` pins the uplink encoder's bytes exactly on every machine.
+
 Regenerate (only for a deliberate behaviour change, and say so in the commit)::
 
     python -m tests.test_pinned_trajectory --record
