@@ -181,10 +181,12 @@ def check_report(out: Path) -> None:
     assert len(csv_rows) == sum(len(e["variants"]) for e in manifest["experiments"].values())
 
 
+@pytest.mark.slow
 def test_quick_suite_writes_every_result_file(quick_suite: Path) -> None:
     check_result_files(quick_suite)
 
 
+@pytest.mark.slow
 def test_quick_suite_report_has_plots_and_a_row_per_configuration(quick_suite: Path) -> None:
     check_report(quick_suite)
 
@@ -207,6 +209,7 @@ def test_full_quick_suite_every_variant(tmp_path: Path) -> None:
     check_report(out)
 
 
+@pytest.mark.slow
 def test_compressed_gossip_summary_reads_the_runs(quick_suite: Path) -> None:
     lines = compressed_gossip_summary.summarize(quick_suite)
     manifest = json.loads((quick_suite / "manifest.json").read_text())
@@ -295,6 +298,7 @@ def test_matrix_runs_every_variant_in_every_group(tmp_path: Path) -> None:
         spec_mod.load_experiment("bad", directory=tmp_path)
 
 
+@pytest.mark.slow
 def test_inline_engine_runs_a_matrix_two_at_a_time_and_replays_exactly(tmp_path: Path) -> None:
     """--engine inline --jobs 2: every run lands, in seed order, and equals a serial rerun."""
     driver = run_experiments
@@ -355,6 +359,7 @@ def test_robustness_matrix_runs_real_attackers_and_draws_final_bars(tmp_path: Pa
     assert "](robustness_final.png)" in (out / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_failing_run_in_a_worker_keeps_the_others_and_is_named(tmp_path: Path) -> None:
     import dataclasses
 

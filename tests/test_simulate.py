@@ -49,7 +49,7 @@ def inline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return result
 
 
-@pytest.fixture(params=["ray", "inline"])
+@pytest.fixture(params=[pytest.param("ray", marks=pytest.mark.slow), "inline"])
 def engine_result(request: pytest.FixtureRequest) -> dict[str, Any]:
     result: dict[str, Any] = request.getfixturevalue(
         "simulated" if request.param == "ray" else "inline"
@@ -82,6 +82,7 @@ def test_json_has_the_documented_fields(engine_result: dict[str, Any]) -> None:
     assert simulated["final_accuracy"] == rounds[-1]["accuracy"]
 
 
+@pytest.mark.slow
 def test_engines_are_recorded(simulated: dict[str, Any], inline: dict[str, Any]) -> None:
     assert simulated["config"]["engine"] == "ray"
     assert simulated["config"]["num-cpus-per-client"] == 1.0
@@ -89,6 +90,7 @@ def test_engines_are_recorded(simulated: dict[str, Any], inline: dict[str, Any])
     assert "num-cpus-per-client" not in inline["config"]  # no Ray resources inline
 
 
+@pytest.mark.slow
 def test_ray_run_matches_the_inline_run_exactly(
     simulated: dict[str, Any], inline: dict[str, Any]
 ) -> None:

@@ -92,6 +92,7 @@ def _send(net: Testbed, src: int, dst: int, nbytes: int) -> tuple[float, int]:
     return got[0][1] - start, got[0][0]
 
 
+@pytest.mark.e2e
 def test_link_rate_counters_and_cleanup(supported: None, tmp_path: Path) -> None:
     record = tmp_path / "namespaces.json"
     rates = [LinkRates(uplink_Bps=4e6, per_peer_Bps={1: 5e5}), LinkRates(),
@@ -125,6 +126,7 @@ def test_link_rate_counters_and_cleanup(supported: None, tmp_path: Path) -> None
     assert not record.exists()
 
 
+@pytest.mark.e2e
 def test_failed_build_and_interrupt_tear_everything_down(supported: None, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     net = Testbed([LinkRates(), LinkRates()], record=tmp_path / "rec.json")
@@ -150,6 +152,7 @@ def test_failed_build_and_interrupt_tear_everything_down(supported: None, tmp_pa
     assert not {n for n in _existing() if n.startswith(f"fdt{broken.run_id}")}
 
 
+@pytest.mark.e2e
 def test_cleanup_recorded_deletes_only_listed_namespaces(supported: None, tmp_path: Path) -> None:
     net = Testbed([LinkRates()], record=tmp_path / "rec.json")
     net.up()
@@ -162,6 +165,7 @@ def test_cleanup_recorded_deletes_only_listed_namespaces(supported: None, tmp_pa
     net.down()  # nothing left to delete: no error
 
 
+@pytest.mark.e2e
 def test_real_gossip_peers_train_over_mutual_tls_on_the_testbed(supported: None,
                                                                 tmp_path: Path) -> None:
     """Two real peers in their own namespaces: they must talk TLS (non-loopback addresses)."""
