@@ -107,8 +107,7 @@ def _bits(rate_Bps: float) -> str:
 def _burst(rate_Bps: float) -> str:
     # Two MTU-sized packets or 2 ms worth of the rate: enough for the qdisc timers, and
     # small against a model message, so that a message on an idle link is not sent at
-    # line rate from a full bucket (10 ms let a 19.5 kB model cross a 20 Mbit/s link
-    # 5-8 ms sooner than its 7.8 ms serialisation).
+    # line rate from a full bucket (docs/testbed.md, Topology).
     return f"{max(3200, round(rate_Bps * 0.002))}b"
 
 
