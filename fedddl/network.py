@@ -228,7 +228,7 @@ class NetworkModel:
     # ------------------------------------------------------------ files
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> NetworkModel:
-        """Build from the file schema of the module docstring."""
+        """Build from the parsed mapping of a network file (schema: docs/gossip.md)."""
         if not isinstance(data, Mapping):
             raise NetworkError(f"network description must be a mapping, got {type(data).__name__}")
         if "profile" in data:
