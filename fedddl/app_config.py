@@ -304,15 +304,10 @@ class AppConfig:
         return cls(**kwargs)
 
     def updated(self, run_config: Mapping[str, Any]) -> AppConfig:
-        """Return a copy with the kebab-case keys of ``run_config`` applied.
+        """Return a copy with the kebab-case keys of ``run_config`` applied (any field).
 
-        Any field is reachable (no per-key code); keys and values are checked as in
-        :meth:`from_run_config`.
-
-        Raises
-        ------
-        ValueError
-            On an unknown key (naming the closest known one) or a bad value.
+        Keys and values are checked as in :meth:`from_run_config`: ``ValueError`` on an unknown
+        key (naming the closest known one) or a bad value.
         """
         return AppConfig.from_run_config({**self.to_run_config(), **run_config})
 

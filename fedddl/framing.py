@@ -16,8 +16,8 @@ The helpers below raise the caller's own error class (``PayloadError``, ``WireEr
 ``CheckpointError``), so each format keeps one error type, with the same wording.
 
 The CRC-32 is zlib's (``zlib.crc32``); :func:`crc32` computes the same value with
-ISA-L's carry-less-multiply code when the ``isal`` package is installed (several
-times faster on large messages), else with ``zlib.crc32``.
+ISA-L's carry-less-multiply code when the ``isal`` package is installed, else with
+``zlib.crc32``.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def _gf2_times(matrix: list[int], vector: int) -> int:
 
 def _zero_byte_operators() -> list[list[int]]:
     """zlib's ``crc32_combine`` operators (one 32x32 GF(2) matrix per power of two of
-    zero bytes appended), computed once (~5 ms)."""
+    zero bytes appended), computed once per process."""
     if not _ZERO_BYTE_OPERATORS:
         one_bit = [0xEDB88320] + [1 << (n - 1) for n in range(1, 32)]
         operator = one_bit

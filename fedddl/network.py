@@ -1,48 +1,15 @@
 """Latency/bandwidth model of the network between N nodes.
 
-Transfer time
--------------
-A message of ``B`` bytes from ``src`` to ``dst`` that starts at time ``t0``
-takes ``latency[src][dst] + serialisation`` seconds, where the serialisation
-pushes the ``B`` bytes through ``bandwidth[src][dst] * m(t)`` bytes per second
-from ``t0`` on; ``m(t)`` is the product of the optional global trace and the
-optional trace of the sender's uplink (both piecewise constant, ``1`` without a
-trace).  Without traces this is the classic ``latency + B / bandwidth``.
-
-Busy resources (:class:`LinkScheduler`)
---------------------------------------
-Each node has one *uplink* and one *downlink*.  A transfer holds the sender's
-uplink and the receiver's downlink for its whole duration ``[start, end)``
-(latency included: the sender considers a send done when it is delivered).  A
-transfer asked for while either is busy waits for both to be free, so a node
-sends one message at a time and receives one message at a time; further sends
-queue in request order.  ``downlink_contention=False`` models the uplink only.
-With ``downlink_holds_latency=False`` the receiver's downlink is busy only while
-the bytes arrive, ``[start + latency, end)``: propagation latency occupies no
-link, so transfers to one receiver overlap in flight. Measured on real peers
-over rate-limited links (docs/testbed.md), that is what happens; holding the
-downlink for the latency too (the default, kept for the published results) made
-classic random gossip on the heterogeneous profile ~25 % slower than the real
-peers (39 s against 31 s to 0.90).
-
-File schema (JSON or TOML)
---------------------------
-Either explicit matrices::
-
-    {
-      "name": "my-wan",                      # optional
-      "latency_s":     [[0, 0.1], [0.1, 0]],  # N x N seconds, >= 0
-      "bandwidth_Bps": [[0, 1e6], [2e6, 0]],  # N x N bytes/s, > 0 off the diagonal
-      "trace": {"times_s": [0, 60], "multipliers": [1.0, 0.5]},       # optional, all links
-      "node_traces": {"3": {"times_s": [0, 10], "multipliers": [1, 0.2]}}  # optional, uplinks
-    }
-
-Row ``i`` column ``j`` is the link ``i -> j``; the diagonal is ignored.  A trace
-is piecewise constant: ``multipliers[k]`` holds on ``[times_s[k], times_s[k+1])``
-and the last one forever; ``times_s`` starts at 0 and increases strictly,
-multipliers are ``> 0``.  Or a named profile with its keyword arguments::
-
-    {"profile": "heterogeneous", "num_nodes": 16, "num_regions": 4, "seed": 0}
+A message of ``B`` bytes from ``src`` to ``dst`` starting at ``t0`` takes
+``latency[src][dst]`` seconds plus the time to push ``B`` bytes through
+``bandwidth[src][dst] * m(t)`` bytes/s, ``m(t)`` being the product of the optional
+piecewise-constant global and sender-uplink traces (``latency + B / bandwidth``
+without traces). :class:`LinkScheduler` makes a transfer hold the sender's uplink and
+the receiver's downlink (``[start, end)``, or ``[start + latency, end)`` for the
+downlink with ``downlink_holds_latency=False``); a transfer waits until both are free.
+Files (JSON or TOML) give ``latency_s`` and ``bandwidth_Bps`` as N x N matrices (row
+``i`` column ``j`` is the link ``i -> j``) with optional ``trace`` / ``node_traces``,
+or ``{"profile": NAME, **kwargs}``; the schema in full: docs/gossip.md.
 """
 
 from __future__ import annotations
@@ -261,7 +228,7 @@ class NetworkModel:
     # ------------------------------------------------------------ files
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> NetworkModel:
-        """Build from the file schema of the module docstring."""
+        """Build from the parsed mapping of a network file (schema: docs/gossip.md)."""
         if not isinstance(data, Mapping):
             raise NetworkError(f"network description must be a mapping, got {type(data).__name__}")
         if "profile" in data:

@@ -75,31 +75,17 @@ def _sorted(shards: Sequence[np.ndarray]) -> list[np.ndarray]:
 
 
 def stratified_shards(labels: ArrayLike, num_shards: int, *, seed: int = 0) -> list[np.ndarray]:
-    """Split into shards that keep the global class proportions.
+    """Split 1-D int ``labels`` into ``num_shards`` shards that keep the global class proportions.
 
     Built on ``sklearn.model_selection.StratifiedKFold(shuffle=True, random_state=seed)``:
-    the test indices of fold ``k`` form shard ``k``, so each class's count in every shard
-    is ``floor`` or ``ceil`` of ``count / num_shards``.
-
-    Parameters
-    ----------
-    labels : array_like of int
-        1-D class labels.
-    num_shards : int
-        Number of shards, at least 1 and at most the smallest class count.
-    seed : int
-        Shuffling seed.
-
-    Returns
-    -------
-    list of numpy.ndarray
-        Sorted int64 index arrays.
+    the test indices of fold ``k`` form shard ``k`` (sorted int64 index arrays), so each
+    class's count in every shard is ``floor`` or ``ceil`` of ``count / num_shards``.
 
     Raises
     ------
     ValueError
-        If labels are empty or not 1-D, or ``num_shards`` is < 1 or exceeds the
-        smallest class count.
+        If labels are empty or not 1-D, or ``num_shards`` is < 1 or exceeds the smallest
+        class count.
     """
     y = _check_labels(labels)
     k = _check_num_shards(num_shards, y.size)

@@ -2,8 +2,7 @@
 
 A TernGrad replica changes only through broadcast updates, so its BatchNorm buffers
 (``running_mean``, ``running_var``, ``num_batches_tracked``) must move the same way on
-every replica. The choice made here (rather than FedBN-style local statistics, which
-would make each replica's eval-mode model different and the fingerprints disagree):
+every replica (why not FedBN-style local statistics: docs/training.md):
 
 1. While a client computes its gradient, :class:`BatchStatsRecorder` records, for every
    BatchNorm layer, the per-channel mean and (biased) variance of the layer's inputs over
@@ -21,8 +20,7 @@ would make each replica's eval-mode model different and the fingerprints disagre
    ``1/num_batches_tracked`` for a cumulative average). The same float operations on the
    same values give bit-identical buffers, so fingerprints still agree.
 
-Server-side evaluation in eval mode then normalises with statistics of the clients'
-data. Equal weights bound what one client's claimed count can do: it only enters the
+Equal weights bound what one client's claimed count can do: it only enters the
 ``n/(n − 1)`` correction.
 """
 
@@ -92,9 +90,8 @@ class BatchStatsRecorder:
                     x = x.float()
                 dims = [d for d in range(x.dim()) if d != 1]
                 count = float(x.numel() // x.shape[1])
-                # Mean in the activations' precision, squared deviations summed in float64:
-                # 2.5x faster than a float64 copy of every activation (a third of a ResNet-8
-                # forward pass) and than var_mean over the non-contiguous channel dimension.
+                # Mean in the activations' precision, squared deviations summed in float64
+                # (cheaper than a float64 copy or var_mean; docs/training.md).
                 mean = x.mean(dim=dims)
                 centred = x - mean.view(1, -1, *([1] * (x.dim() - 2)))
                 m2 = (centred * centred).sum(dim=dims, dtype=torch.float64)

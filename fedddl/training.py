@@ -39,24 +39,11 @@ def _check_batch(x: torch.Tensor, y: torch.Tensor) -> None:
 
 
 def compute_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Zero the gradients, run forward and backward of the mean cross-entropy loss.
+    """Zero the gradients, run forward and backward of the mean cross-entropy loss; return it.
 
-    The model's current mode (train/eval) is used as is. Gradients are left in ``.grad``.
-    The batch is moved to the model's device (a no-op when it is there already).
-
-    Parameters
-    ----------
-    model : torch.nn.Module
-        Classifier returning logits.
-    x : torch.Tensor
-        Inputs ``N×C×H×W``.
-    y : torch.Tensor
-        Int64 labels ``N``.
-
-    Returns
-    -------
-    float
-        The loss value.
+    ``x`` are inputs ``N×C×H×W``, ``y`` int64 labels ``N``; the batch is moved to the
+    model's device. The model's current mode (train/eval) is used as is; the gradients are
+    left in ``.grad``.
     """
     _check_batch(x, y)
     device = model_device(model)
@@ -103,24 +90,9 @@ def check_parameter_tensors(
 ) -> None:
     """Check that ``tensors`` holds one floating tensor per trainable parameter of ``model``.
 
-    Parameters
-    ----------
-    model : torch.nn.Module
-        Model whose trainable parameters (``requires_grad``) the tensors must match.
-    tensors : Mapping[str, torch.Tensor]
-        Parameter name to tensor.
-    what : str
-        What the tensors are, for the messages (``"gradient"``, ``"update"``, ...).
-    finite : bool
-        Also reject NaN and Inf values.
-    error : type[Exception]
-        The exception class to raise.
-
-    Raises
-    ------
-    error
-        Naming the missing or unexpected names, a shape mismatch, a non-float dtype or
-        non-finite values.
+    Raises ``error`` (default ``ValueError``) naming the missing or unexpected names, a shape
+    mismatch, a non-float dtype or (with ``finite``) NaN/Inf values; ``what`` names the
+    tensors in the message (``"gradient"``, ``"update"``, ...).
     """
     check_tensors_like(_trainable(model), tensors, what=what, finite=finite, error=error)
 
@@ -179,14 +151,9 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
 def set_gradients(model: nn.Module, grads: Mapping[str, torch.Tensor]) -> None:
     """Write ``grads`` into the ``.grad`` of the model's trainable parameters.
 
-    Every name, shape and dtype is validated (:func:`check_parameter_tensors`) before
-    anything is written, so a bad mapping leaves the model untouched.
-
-    Raises
-    ------
-    ValueError
-        If names are missing or unknown, a shape differs or a gradient is not a
-        floating-point tensor.
+    Everything is checked first (:func:`check_parameter_tensors`): a ``ValueError`` for a
+    missing or unknown name, a shape mismatch or a non-float gradient leaves the model
+    untouched.
     """
     check_parameter_tensors(model, grads)
     for name, p in _trainable(model).items():

@@ -30,21 +30,9 @@ def make_pairs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pair every image with a partner of a seeded permutation.
 
-    Parameters
-    ----------
-    images : torch.Tensor
-        ``N×C×H×W`` images.
-    labels : torch.Tensor
-        ``N`` labels in ``[0, num_classes)``.
-    num_classes : int
-        Classes of the source set; pairs have ``num_classes ** 2``.
-    seed : int
-        Seed of the permutation that picks each image's right-hand partner.
-
-    Returns
-    -------
-    (torch.Tensor, torch.Tensor)
-        ``N×C×H×2W`` images and labels ``num_classes × left + right``.
+    ``images`` ``N×C×H×W`` with ``labels`` ``N`` in ``[0, num_classes)`` give ``N×C×H×2W``
+    images and labels ``num_classes × left + right`` (``num_classes ** 2`` classes); ``seed``
+    picks each image's right-hand partner.
     """
     partner = torch.from_numpy(np.random.default_rng(seed).permutation(images.shape[0]))
     pixels = torch.cat([images, images[partner]], dim=-1)

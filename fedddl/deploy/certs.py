@@ -246,25 +246,11 @@ def generate_tls_material(
 ) -> tuple[bytes, bytes, bytes]:
     """Generate a self-signed CA and a server certificate signed by it.
 
-    Parameters
-    ----------
-    hosts : sequence of str
-        Host names and IP addresses the SuperLink is reached by; each becomes a
-        subjectAltName of the server certificate (clients check it).
-    valid_days : int
-        Validity of both certificates, from now.
-    organisation : str
-        Organisation name written into the certificates' subjects.
-
-    Returns
-    -------
-    tuple of bytes
-        ``(ca_certificate_pem, server_certificate_pem, server_private_key_pem)``.
-
-    Raises
-    ------
-    ValueError
-        If ``hosts`` is empty or ``valid_days`` is not positive.
+    Returns ``(ca_certificate_pem, server_certificate_pem, server_private_key_pem)``. Each of
+    ``hosts`` (names and IP addresses the SuperLink is reached by) becomes a subjectAltName
+    of the server certificate; both certificates are valid ``valid_days`` from now and name
+    ``organisation``. Raises ``ValueError`` if ``hosts`` is empty or ``valid_days`` is not
+    positive.
     """
     if not hosts:
         raise ValueError("hosts must name at least one host or IP address")

@@ -1,32 +1,15 @@
 """Warm ``flwr-clientapp`` starts: fork ClientApp processes from a pre-imported server.
 
-Under Flower's default ``--isolation subprocess`` every message a SuperNode
-receives is handled by a *fresh* ``flwr-clientapp`` process, which imports
-flwr (~1.2 s here) and torch (~2.7 s here) before it can do any work: that is
-most of a round in a small deployment. Flower 1.42 has warm executor pools
-only for Kubernetes and not for ClientApps.
-
-This module keeps the per-message process (Flower's isolation and lifecycle
-are unchanged: one process per message, state only via ``context.state``)
-but makes starting it cheap:
-
-* ``python -m fedddl.deploy.warm_clientapp serve --socket S --preload torch``
-  runs a *fork server* that imports flwr's ClientApp runtime and the listed
-  modules once, then waits on a Unix socket;
-* :func:`install_shim` writes a stdlib-only ``flwr-clientapp`` script into a
-  directory; a SuperNode started with that directory first on ``PATH`` (and
-  ``FEDDDL_WARM_CLIENTAPP_SOCKET=S``) makes its SuperExec run the shim, which
-  hands its argv, environment, working directory and stdio descriptors to the
-  fork server, waits, and exits with the forked ClientApp's exit code;
-* the forked child becomes exactly what ``flwr-clientapp ARGS`` would have
-  been: it installs the shim's environment, cwd and stdio and calls Flower's
-  ``flwr_clientapp()`` entry point.
-
-If the socket is unreachable the shim runs the real ``flwr-clientapp``, so a
-dead fork server degrades to stock behaviour instead of breaking the node.
-The fork server is single-threaded (no fork-with-threads hazards) and the
-preloaded modules must not start threads at import time (torch does not;
-its thread pools start on first use, i.e. in the child).
+Flower's isolation is unchanged (one process per message, state only via
+``context.state``); only the start is cheap. ``python -m fedddl.deploy.warm_clientapp
+serve --socket S --preload torch`` runs a single-threaded fork server that imports flwr's
+ClientApp runtime and the listed modules once (they must not start threads at import);
+:func:`install_shim` writes a stdlib-only ``flwr-clientapp`` script that a SuperNode with
+that directory first on ``PATH`` and ``FEDDDL_WARM_CLIENTAPP_SOCKET=S`` runs: it hands
+argv, environment, cwd and stdio to the server and exits with the forked child's exit
+code; the child becomes exactly what ``flwr-clientapp ARGS`` would have been. With the
+socket unreachable the shim runs the real ``flwr-clientapp``. Why and what it saves:
+docs/deployment.md.
 """
 
 from __future__ import annotations

@@ -1,38 +1,16 @@
-"""Ternary model deltas in Flower messages: every record and key of ``ternary_mod`` and
-``TernaryDelta``, once.
+"""Ternary model deltas in Flower messages: every record and key of
+:func:`~fedddl.flower.delta_mod.ternary_mod` and
+:class:`~fedddl.flower.ternary_delta.TernaryDelta`, once.
 
-Both sides import this module: the client mod (:mod:`fedddl.flower.delta_mod`) and the
-strategy wrapper (:mod:`fedddl.flower.ternary_delta`). They add compression to any Flower
-app whose messages carry the model as an :class:`~flwr.app.ArrayRecord` (e.g. FedAvg's
-``"arrays"``); every other record passes through untouched.
-
-The *broadcast model* is what the clients hold: the server moves it towards each new
-global model by one ternary-encoded delta (with server-side error feedback), so every
-client that applied the same deltas holds it bit for bit, and the server checks that
-with a digest. Float arrays are compressed; other arrays (integer buffers) travel exact.
-
-Server → client, in a message that carries the model:
-
-* ``"fedddl.ternary"`` :class:`~flwr.app.ConfigRecord` (:data:`META`): ``record`` (name of
-  the model ArrayRecord), ``names`` (its array names, in order), ``version`` (the
-  broadcast version the client must hold), ``base`` (-1: the model record holds the whole
-  model; else the version the updates start from), ``digest`` (of the broadcast float
-  arrays at ``version``), and the uplink settings ``compressor``, ``clip-sigma``,
-  ``error-feedback``, ``seed``.
-* the model record: every array when ``base = -1``; otherwise only the non-float ones.
-* ``"fedddl.ternary.updates"`` :class:`~flwr.app.ArrayRecord` (:data:`UPDATES`, when
-  ``base >= 0``): ``"v<k>"`` → the encoded delta (``fedddl.compression`` wire format) that
-  makes version ``k`` from ``k - 1``, for ``k = base + 1 .. version``.
-
-Client → server reply (from a client running the mod):
-
-* :data:`META` ConfigRecord: ``version`` (the broadcast version it holds); when the reply's
-  model travels compressed, also ``record`` and ``names``.
-* ``"fedddl.ternary.delta"`` ArrayRecord (:data:`DELTA`): ``"delta"`` → the encoded
-  difference between the reply's float arrays and the broadcast model; the reply's model
-  record keeps only its non-float arrays.
-
-A message without :data:`META` is not compressed and passes through unchanged.
+Both sides import this module. A message that carries the model gets a :data:`META`
+``ConfigRecord`` (the model record's name and array names, the broadcast ``version``
+the client must hold, ``base``: -1 for the whole model, else the version the
+:data:`UPDATES` deltas start from, the ``digest`` of the broadcast float arrays, and
+the uplink settings); a reply carries ``META`` (the version it holds) and, when its
+model travels compressed, the :data:`DELTA` record against the broadcast model. Float
+arrays are compressed, others travel exact. A message without ``META`` is not
+compressed and passes through unchanged. Every record and key in full:
+docs/drop-in-compression.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,14 @@
 """Quicker message pickup in Flower's simulation engine: woken by the ServerApp's pushes.
 
-Flower 1.42's simulation engine moves the ServerApp's messages to the client workers in a
-thread (``vce_api.add_messages_to_queue``) that looks for new messages every 0.1 s, and the
-ServerApp's grid looks for replies every 0.1 s too. A round therefore lasted a whole number
-of those ticks: a round whose work takes 0.11 s took 0.2 s, and two strategies whose rounds
-differ by a few milliseconds could differ by a whole tick, depending on where each round
-fell against the tick (the phase locks: rounds of a steady length meet the tick at the same
-point every time).
-
-Within :func:`quick_message_pickup`:
-
-* the pickup loop (Flower's loop body, unchanged) runs as soon as the ServerApp pushes
-  messages (:meth:`PickupSession.messages_pushed`, called by
-  :class:`fedddl.flower.grid.FastPollGrid`), and otherwise every :func:`pickup_interval_s`
-  (10 ms up to 10 nodes, growing with the federation to Flower's 0.1 s at 100 nodes: each
-  look scans the message store once per node, about 40 µs a node here);
-* the thread that stores the client workers' replies (``vce_api.put_message_into_state``,
-  Flower's body) signals each stored reply, and :meth:`PickupSession.wait_for_replies`
-  (the grid's wait between two pulls) returns at that signal instead of sleeping its whole
-  interval;
-* when the simulation returns, its :class:`PickupSession` is closed: a ServerApp thread
-  that outlived it (Flower leaves it running when the engine fails to start, e.g. Ray's
-  node start timing out, and ``fedddl simulate`` then starts again) stops waiting for
-  replies that cannot come (:class:`fedddl.flower.grid.FastPollGrid` raises), instead of
-  polling forever and keeping the process from exiting.
-
-Outside it (or if Flower's module does not have the expected functions, logged) nothing is
-changed: :func:`current_session` is None and :func:`fedddl.flower.grid.fast_poll` polls
-plainly.
+Within :func:`quick_message_pickup` the engine's pickup loop (Flower's loop body,
+unchanged) runs as soon as the ServerApp pushes messages
+(:meth:`PickupSession.messages_pushed`, called by
+:class:`fedddl.flower.grid.FastPollGrid`), and otherwise every
+:func:`pickup_interval_s`; each stored reply ends the grid's wait
+(:meth:`PickupSession.wait_for_replies`); when the simulation returns its session is
+closed, so a ServerApp thread that outlived it stops waiting. Outside it, or when
+Flower's module lacks the expected functions (logged), nothing changes and
+:func:`current_session` is None. Why and how long the ticks were: docs/round-time.md.
 """
 
 from __future__ import annotations

@@ -1,47 +1,16 @@
 """The localized-replica protocol in Flower messages: every record and key, once.
 
 Both sides import this module (``strategies/`` to build instructions and parse replies,
-``clients/`` to parse instructions and build replies); neither imports the other. The
-values are the Flower-free :class:`~fedddl.sync.messages.TrainInstruction` and
-:class:`~fedddl.sync.messages.ClientReply`.
-
-Server → client, ``MessageType.TRAIN``:
-
-* ``"config"`` :class:`~flwr.app.ConfigRecord`: ``server-round``, ``model-version``
-  (the version the client must hold before computing), optional ``compressor``
-  (uplink compressor name, sent when the server has no proof the client knows it),
-  optional ``snapshot-version``, optional ``want-scales = 1``.
-* ``"updates"`` :class:`~flwr.app.ArrayRecord` (optional): ``"v<k>"`` → encoded broadcast
-  update producing version ``k`` (raw bytes in a ``uint8`` :class:`~flwr.app.Array`).
-* ``"snapshot"`` :class:`~flwr.app.ArrayRecord` (optional): weights and momentum buffers
-  of the shadow replica at ``snapshot-version`` (:meth:`fedddl.replica.Replica.snapshot`).
-* ``"scales"`` :class:`~flwr.app.ArrayRecord` (optional): ``"s"`` → shared per-tensor
-  ternary scales (``float32``), for ``downlink = "shared-scale-sum"``.
-
-Client → server reply:
-
-* ``"update"`` :class:`~flwr.app.ArrayRecord`: ``"payload"`` → encoded (pseudo-)gradient,
-  optionally ``"scales"`` → the client's local per-tensor scales (``float32``), and, for
-  models with BatchNorm layers, ``"statistics"`` → the encoded input statistics of its
-  minibatches (:mod:`fedddl.running_stats`).
-* ``"metrics"`` :class:`~flwr.app.MetricRecord`: ``num-examples``, ``loss``,
-  ``model-version``, ``partition-id`` (the client's data partition: the order in which the
-  server combines replies, the same in every run) (and, with ``FEDDDL_CLIENT_TIMING=1``,
-  the diagnostics ``client-s``, handler seconds, and ``client-cached``, live replicas the
-  process keeps).
-* ``"replica"`` :class:`~flwr.app.ConfigRecord`: ``fingerprint`` (the first
-  :data:`~fedddl.sync.messages.FINGERPRINT_BYTES` bytes of the replica's sha256
-  fingerprint). A client that cannot catch up sends only ``"metrics"`` with
-  ``model-version`` (its version, -1 without state), ``num-examples = 0`` and
-  ``resync = 1``.
-
-A TRAIN message whose ``config`` record has ``model-version`` follows this protocol; one
-with an ``"arrays"`` record is stock FedAvg (:data:`FEDAVG_ARRAYS`).
-
-:func:`parse_reply` validates every metric of a reply or refuses it: ``model-version`` an
-int >= -1, ``num-examples`` an int in ``[1, max_examples]``, ``loss`` a finite number in
-``[0, MAX_LOSS]``, ``partition-id`` (if present) an int in ``[0, MAX_PARTITION_ID]``,
-``client-s`` (if present) finite and >= 0, ``resync`` (if present) 1.
+``clients/`` to parse instructions and build replies); neither imports the other. A TRAIN
+message carries the records :data:`CONFIG` (with ``model-version``), and optionally
+:data:`UPDATES`, :data:`SNAPSHOT`, :data:`SCALES`; a reply :data:`UPDATE`,
+:data:`METRICS` and :data:`REPLICA` (a client that cannot catch up: ``METRICS`` only,
+with ``resync = 1``). The values are the Flower-free
+:class:`~fedddl.sync.messages.TrainInstruction` and
+:class:`~fedddl.sync.messages.ClientReply`. A TRAIN message with an ``"arrays"`` record
+instead is stock FedAvg (:data:`FEDAVG_ARRAYS`). :func:`parse_reply` refuses a reply
+with any metric out of range (:class:`~fedddl.sync.errors.ReplyError`). Every record and
+key in full: docs/terngrad.md.
 """
 
 from __future__ import annotations
@@ -128,7 +97,7 @@ def is_localized_train(content: RecordDict) -> bool:
 
 # ------------------------------------------------------------ server → client
 def build_train_content(instruction: TrainInstruction) -> RecordDict:
-    """The :class:`~flwr.app.RecordDict` of a training message (module docstring)."""
+    """The :class:`~flwr.app.RecordDict` of a training message (layout: docs/terngrad.md)."""
     config = ConfigRecord(
         {SERVER_ROUND: instruction.server_round, MODEL_VERSION: instruction.model_version}
     )
@@ -250,7 +219,7 @@ def parse_reply(message: Message, *, max_examples: int = MAX_EXAMPLES) -> Client
     ------
     ReplyError
         If the message carries an error, records are missing or malformed, or a metric is
-        out of range (see the module docstring).
+        out of range (the bounds: docs/terngrad.md).
     """
     node_id = int(message.metadata.src_node_id)
     if message.has_error():

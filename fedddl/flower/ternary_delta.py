@@ -1,7 +1,7 @@
-"""``TernaryDelta``: a Flower strategy wrapper that sends and receives ternary model deltas.
+""":class:`TernaryDelta`: a Flower strategy wrapper that sends and receives ternary model deltas.
 
-Wrap any Flower :class:`~flwr.serverapp.strategy.Strategy`; add
-:func:`fedddl.flower.ternary_mod` to the ClientApp; nothing else changes::
+Wrap any Flower ``Strategy``; add :func:`fedddl.flower.ternary_mod` to the ClientApp;
+nothing else changes::
 
     from flwr.serverapp.strategy import FedAvg
     from fedddl.flower import TernaryDelta
@@ -9,28 +9,14 @@ Wrap any Flower :class:`~flwr.serverapp.strategy.Strategy`; add
     strategy = TernaryDelta(FedAvg(fraction_train=0.5))
     result = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=10)
 
-**Downlink.** Whenever the wrapped strategy hands out a new global model, the wrapper
-moves its *broadcast model* (what the clients hold) towards it by one ternary-encoded
-delta: the whole gap between the new global model and the broadcast model, so what one
-delta could not carry is sent with the next (error feedback without a residual). It
-keeps the last ``update_log_size`` encoded deltas. A node that holds a recent version
-receives only the deltas it misses (the training and evaluation messages of one round
-share one delta); a new node, one further behind, or one whose last reply failed gets
-the whole broadcast model. The first round is therefore full size.
-
-**Uplink.** The mod encodes each reply's model as ``reply - broadcast model`` (with a
-client-side residual memory for error feedback); the wrapper decodes it and adds it to
-the *exact* global model the wrapped strategy handed out, so the wrapped strategy sees
-replies as if the clients had trained from its own model, and no downlink error
-accumulates in the global model.
-
-**Untrusted replies.** A compressed reply that does not decode, does not fit the model,
-holds non-finite values, or answers a version the server did not send, is replaced by
-an error reply naming the reason (the wrapped strategy counts it as a failure; the
-server never raises on it), and that node gets the whole model next time. Replies from
-nodes without the mod (no ``"fedddl.ternary"`` record) pass through unchanged and those
-nodes get the wrapped strategy's messages unchanged from then on. Messages that carry no
-model (e.g. queries) pass through unchanged.
+Downlink: the broadcast model moves towards each new global model by one ternary delta
+(error feedback without a residual); a node holding a logged version gets only the
+deltas it misses, any other node the whole model. Uplink: a reply's model delta is
+added to the exact global model the wrapped strategy handed out. A compressed reply
+that does not decode, fit, stay finite or answer a version sent becomes an error reply
+naming the reason (never an exception), and that node gets the whole model next.
+Replies and messages without the mod's records pass through unchanged. Details:
+docs/drop-in-compression.md.
 """
 
 from __future__ import annotations
@@ -81,11 +67,9 @@ class TernaryDelta(Strategy):
         The wrapped strategy (FedAvg, FedProx, a DP wrapper, ...): it samples nodes,
         builds the messages and aggregates as usual.
     compressor : str
-        Registered compressor, up and down. The default, deterministic threshold ternary
-        at 1.6 bits per value (``"ternary-threshold"``: 2 bits), is contractive, which
-        error feedback needs. TernGrad's stochastic ternary (``"ternary-base3"``) is
-        unbiased but adds noise that FedAvg accumulates round after round: on the
-        quickstart app it diverged after about ten rounds, with and without error feedback.
+        Registered compressor, up and down; the default (deterministic threshold ternary,
+        1.6 bits per value) is contractive, which error feedback needs (why not TernGrad's
+        stochastic ternary: docs/drop-in-compression.md).
     clip_sigma : float
         Ternary clipping of each delta tensor, in standard deviations.
     error_feedback : bool

@@ -1,68 +1,20 @@
 """Compressed gossip: CHOCO-SGD edge updates with compressed differences of public copies.
 
-Plain gossip ships the whole fp32 model on every exchange and the receiver
-averages it in. Compressed gossip follows CHOCO-SGD (Koloskova et al., 2019),
-one edge at a time. For every ordered pair of nodes ``i -> j`` both ends keep
-the same *public copy* ``x̂_ij`` of ``x_i``; it starts at the initial model
-``x_0`` (all nodes of a run start from the same seeded model). When ``i``
-sends to ``j`` it ships ``q = Q(x_i - x̂_ij)``, the difference between its
-model and that copy, compressed by any registered compressor
-(:mod:`fedddl.compression`; ternary codes recommended), and both ends add
-``gain * q`` to their ``x̂_ij``. What the compression dropped is still in
-``x_i - x̂_ij`` and goes out with the next message: error feedback through the
-public copy. Then both ends take one consensus step on the edge, with public
-copies only::
+For every ordered pair ``i -> j`` both ends keep the same public copy ``x̂_ij`` of
+``x_i`` (starting at the shared initial model). ``i`` ships ``Q(x_i - x̂_ij)`` with a
+:class:`LinkHeader` (``base``, ``seq``, per-tensor ``gains``, ``key``); both ends add
+``gain * decoded`` to the copy, then take one consensus step on public copies only
+(receiver on arrival: ``x_j += step * (x̂_ij - x̂_ji)``; sender on its ack: the
+opposite), which keeps the nodes' average model.
 
-    receiver j (on arrival):  x_j += step * (x̂_ij - x̂_ji)
-    sender   i (on its ack):  x_i += step * (x̂_ji - x̂_ij)
-
-(``x̂_ji``, the copy of ``j`` that both hold, is ``x_0`` until ``j`` first
-sends to ``i``.) The two steps cancel, so the nodes' average model is kept, as
-in CHOCO; the compression noise only slows consensus. Averaging the noisy
-copy into the model instead (``x_j += step * (x̂_ij - x_j)``) pulls ``j``
-back towards ``i``'s noisy past: measured on 16 digits nodes (heterogeneous
-network, seed 0) that variant needed 18 s of virtual time to reach 0.90 where
-these edge updates and uncompressed gossip need 10 s. The step must stay small
-(``DEFAULT_CONSENSUS_STEP``; 0.5 diverged in the same run).
-
-:class:`CompressedGossip` holds one node's copies (as sender and as receiver)
-and returns the consensus corrections to add to its model. The discrete-event
-simulator and the real peers both use it.
-
-Link protocol
--------------
-Every compressed message carries a :class:`LinkHeader` and an
-:func:`~fedddl.compression.encode_update` payload:
-
-``base``
-    Where the link's public copy started: the fingerprint of the initial model,
-    or the id of a *key frame*.
-``seq``
-    How many differences the receiver has applied since ``base``.
-``gains``
-    One factor per tensor, in payload order: both ends add ``gain * decoded``
-    to the copy. The sender picks each gain by least squares,
-    ``<d, Q(d)> / <Q(d), Q(d)>`` clipped to ``[0, MAX_GAIN]``, so the copy moves
-    as close to the model as the message allows and the remaining difference
-    never grows from one message to the next. (Unscaled, a stochastic ternary
-    message adds about twice as much noise as it removes difference, and the
-    copies drift away: measured, the 16-node digits run fell back to chance
-    accuracy after 8 s of virtual time.)
-``key``
-    The payload is the whole model (uncompressed, ``identity``); the receiver
-    replaces its copy with it. A sender sends a key frame when the receiver
-    told it the link is out of sync (a lost acknowledgement, a restarted
-    receiver, a different initial model); otherwise only differences travel.
-
-The receiver applies a difference only when ``base`` and ``seq`` match its
-copy, so a message lost (or duplicated) between the two ends is detected, never
-silently applied twice: the receiver refuses with :data:`LINK_OUT_OF_SYNC` and
-the sender :meth:`~CompressedGossip.reset`-s the link. A sender commits an
-update (:meth:`CompressedGossip.commit`) only once the receiver acknowledged it.
-
-Only floating-point tensors are exchanged; others (e.g. BatchNorm counters)
-stay local. Every copy a receiver builds is checked: finite, and every weight
-within ``max_abs_weight``.
+:class:`CompressedGossip` holds one node's copies and returns the corrections to add
+to its model; the simulator and the real peers both use it. A receiver applies a
+difference only when ``base`` and ``seq`` match its copy, else it raises
+:class:`LinkError` (:data:`LINK_OUT_OF_SYNC`) and the sender :meth:`~CompressedGossip.reset`-s
+the link (next message: a key frame, the whole model). A sender commits an update only
+once acknowledged. Only floating-point tensors travel; every copy a receiver builds is
+checked finite and within ``max_abs_weight``. The rules and the variants measured and
+dropped: docs/gossip.md.
 """
 
 from __future__ import annotations
@@ -106,7 +58,7 @@ __all__ = [
 #: few large entries that shrink slowly; in the 16-node digits simulation 1.0 and 2.5
 #: both reached 0.90 after 10 s of virtual time.
 DEFAULT_CLIP_SIGMA = 2.5
-#: Largest gain a message may carry (see the module docstring).
+#: Largest gain a message may carry (the least-squares gain is clipped to it; docs/gossip.md).
 MAX_GAIN = 2.0
 #: Reason texts of a refused difference; the sender answers both with a key frame.
 LINK_OUT_OF_SYNC = "public copy out of sync"
@@ -438,17 +390,9 @@ class CompressedGossip:
         self.sender.reset(peer)
 
     def receive(self, sender: int, header: LinkHeader, payload: bytes) -> dict[str, torch.Tensor]:
-        """Apply a message of ``sender``; return the receiver's correction.
+        """Apply a message of ``sender``; return the receiver's correction ``step * (x̂_ij - x̂_ji)``.
 
-        Returns
-        -------
-        dict
-            ``step * (x̂_ij - x̂_ji)``, to add to the receiver's model.
-
-        Raises
-        ------
-        LinkError
-            See :meth:`ReceiverCopies.apply`; nothing changed then.
+        Raises :class:`LinkError` (see :meth:`ReceiverCopies.apply`) with nothing changed.
         """
         copy = self.receiver.apply(sender, header, payload)
         return self._correction(copy, self.sender.copy_at(sender))

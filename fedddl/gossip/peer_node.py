@@ -1,41 +1,15 @@
 """One real gossip node: trains, serves model exchanges, ships models to scheduled peers.
 
-Threads of a :class:`PeerNode`:
-
-* **training** -- SGD steps on the node's shard; before each step it merges the
-  models received since the previous one (under the model lock), so the step
-  starts from the merged model as in the simulator, and it evaluates every
-  ``eval_every`` steps. It never waits on the network (except with ``overlap=False``).
-* **sender** -- whenever the model advanced since its last send, takes a
-  snapshot (under the lock), asks the shared :class:`~fedddl.gossip.Scheduler`
-  for a partner and ships it either the whole model (a MODEL frame) or, with
-  ``compressor`` set, a compressed difference against the partner's public copy
-  (a DELTA frame, :mod:`fedddl.gossip.compressed`); measured transfer times feed the
-  :class:`~fedddl.gossip.CommTimeEstimator`. Computation overlaps this.
-  With ``overlap=False`` (classic gossip, the simulator's ``random`` baseline)
-  there is no sender thread: the training thread ships a snapshot after each
-  step (after its ``min_step_s`` pacing) and waits for the send to finish.
-* **state** -- broadcasts the node's :class:`~fedddl.gossip.PeerState` (small
-  STATE frames) when its ``enabled`` flag flips, at most every ``state_interval_s``.
-* gRPC workers -- :meth:`PeerNode.handle_frame` checks every frame completely
-  before it can touch the model: the frame format, the caller's certificate
-  against the sender it claims (mutual TLS, :mod:`fedddl.gossip.tls`), the
-  sender's membership, its rate of model frames, its Lamport clock, and every
-  tensor (names, shapes, dtypes, finite, in range; :mod:`fedddl.gossip.admission`).
-  A refused frame gets an error status, is counted per peer and reason in the
-  metrics and logged once per peer and reason.
-
-**Before training starts** (the peer list has not arrived yet), a checked frame
-from any sender is *held* (one model frame and one state per sender, at most
-``hold_limit`` in all) and acknowledged; when training starts, held frames of
-senders in the peer list are admitted as if they had just arrived and the others
-are dropped and counted. A second model frame of a sender whose first one is
-held is answered ``UNAVAILABLE`` "not ready", which the sender retries shortly
-without counting it as a failure. So the start-up race -- a peer that got its
-peer list first sends before this node has its own -- loses nothing.
-
-A peer that fails to answer within ``send_timeout_s`` is backed off
-exponentially and treated as disabled, so a dead node slows nobody down.
+A :class:`PeerNode` runs a training thread (merges what arrived, then steps; never waits
+on the network unless ``overlap=False``), a sender thread (ships a snapshot, a MODEL
+frame or a compressed DELTA frame, to the partner its ``Scheduler`` picks) and a state
+thread (broadcasts its :class:`~fedddl.gossip.scheduler.PeerState`).
+:meth:`PeerNode.handle_frame` checks a frame completely (format, the caller's
+certificate, membership, rate, clock, every tensor) before it can touch the model; a
+refused frame gets an error status and is counted per peer and reason. Frames that
+arrive before training starts are held (at most ``hold_limit``) and admitted once the
+peer list is known. A peer that does not answer within ``send_timeout_s`` is backed off
+exponentially and treated as disabled. Behaviour in detail: docs/gossip.md.
 """
 
 from __future__ import annotations

@@ -1,57 +1,14 @@
 """Partner selection for gossip SGD: classic random gossip and communication scheduling.
 
-What every node shares (:class:`PeerState`)
--------------------------------------------
-``node_id``
-    Who it is.
-``enabled``
-    *Communication-enabled*: its downlink is free, i.e. it is not receiving a
-    model right now, so a model sent to it starts moving at once instead of
-    queueing behind another one.
-``model_version``
-    A step clock of its model: +1 per local SGD step, and ``max(own, received)``
-    after a merge (a Lamport clock over SGD steps), so it says how many steps of
-    training the newest information in the model stems from.
-``est_comm_time_s``
-    Its own estimate (:class:`~fedddl.gossip.estimator.CommTimeEstimator`) of
-    the time to send *one model message* to each peer it knows.
-``steps_per_s``
-    Its local training speed in SGD steps per second (``0`` = unknown), used to
-    predict how far it will have advanced when a model sent now arrives.
-
-The state travels as a small fixed-layout status message (:meth:`PeerState.to_bytes`,
-``21 + 8 * len(est_comm_time_s)`` bytes) that a node broadcasts to all peers
-whenever ``enabled`` flips; the same bytes can ride on a model message.
-
-How :class:`CommunicationScheduler` picks a partner
---------------------------------------------------
-Called when a node has a new model to share and its uplink is free:
-
-1. Candidates are the *other* nodes whose last known state is ``enabled``; a
-   disabled node is never chosen.
-2. The transfer time to each candidate is the node's own estimate when it has
-   observed that link, else the candidate's shared estimate of the reverse link
-   (links are assumed roughly symmetric), else the estimator's prior.
-3. A candidate is skipped when the model would arrive *stale*: with
-   ``lag = v_peer + steps_per_s_peer * est_time - v_me`` (the peer's predicted
-   clock at arrival minus the clock of the model we send), skip if
-   ``lag > stale_threshold_steps``.
-4. Among the rest, with ``selection="proportional"`` (the default) choose peer
-   ``p`` with probability proportional to ``1 / est_p`` (seeded ``rng``): fast
-   links carry most messages, yet every peer gets the same share of uplink
-   *time*, so slow (e.g. cross-region) links keep mixing the models -- always
-   taking the fastest link splits a WAN into regions that never mix.  With
-   ``selection="fastest"`` choose uniformly among the peers whose estimate is
-   within ``(1 + tie_tolerance)`` of the smallest one.
-5. No candidate left: return ``None`` and the caller defers the send to its next
-   step, when it will have a newer model anyway.
-
-Never queueing a model behind a busy uplink (the caller only asks when its
-uplink is free) is the other half of "a newer model would be ready first": a
-model is only sent when it is the newest one the node has.
-
-:class:`RandomScheduler` is classic gossip: a uniformly random other node,
-ignoring every shared state.
+:class:`PeerState` is what every node shares about itself (``enabled``: its downlink is
+free; ``model_version``: a Lamport clock over SGD steps; ``est_comm_time_s``: its
+estimated seconds to send one model message to each peer; ``steps_per_s``, ``0`` =
+unknown), serialised in ``21 + 8 * len(est_comm_time_s)`` bytes.
+:class:`CommunicationScheduler` picks an enabled other node whose model would not
+arrive stale, with probability proportional to ``1 / estimated time`` (or the fastest,
+``selection="fastest"``), and returns ``None`` to defer when none is left;
+:class:`RandomScheduler` picks a uniformly random other node. The rules step by step:
+docs/gossip.md.
 """
 
 from __future__ import annotations
@@ -83,7 +40,7 @@ _ENTRY = struct.Struct("<if")  # peer, est_comm_time_s
 
 @dataclass(frozen=True)
 class PeerState:
-    """What a node shares about itself (see the module docstring)."""
+    """What a node shares about itself (the fields: docs/gossip.md)."""
 
     node_id: int
     enabled: bool
@@ -142,21 +99,11 @@ class Scheduler(ABC):
         estimator: CommTimeEstimator,
         rng: np.random.Generator,
     ) -> int | None:
-        """Return the peer to send the current model to, or ``None`` to defer.
+        """Return the peer ``me`` sends its current model to (never ``me``), or ``None`` to defer.
 
-        Parameters
-        ----------
-        me
-            The choosing node; an entry ``peers[me]`` (its own state) is used
-            for its model version and is never chosen.
-        peers
-            Last known state of each node.
-        model_bytes
-            Size of the model message.
-        estimator
-            The choosing node's transfer-time estimator.
-        rng
-            Source of randomness (seeded by the caller for reproducibility).
+        ``peers`` holds the last known state of each node (``peers[me]`` gives ``me``'s model
+        version); ``model_bytes`` sizes the message for ``estimator``; ``rng`` is seeded by the
+        caller, so a choice is reproducible.
         """
 
 
@@ -180,7 +127,7 @@ class RandomScheduler(Scheduler):
 
 
 class CommunicationScheduler(Scheduler):
-    """The communication-scheduling method (Shudo et al.); see the module docstring.
+    """The communication-scheduling method (Shudo et al.); the rules: docs/gossip.md.
 
     Parameters
     ----------
@@ -191,7 +138,7 @@ class CommunicationScheduler(Scheduler):
         Peers whose estimate is within ``(1 + tie_tolerance)`` of the fastest
         are treated as equally fast.
     selection
-        ``"fastest"`` or ``"proportional"`` (step 4 of the module docstring).
+        ``"fastest"`` or ``"proportional"`` (step 4 of the rules in docs/gossip.md).
     """
 
     name = "scheduled"

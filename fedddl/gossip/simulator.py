@@ -1,42 +1,13 @@
 """Discrete-event simulator of gossip SGD with real training under a virtual clock.
 
-Every node trains a real model on its own shard (real SGD steps, real test
-accuracy); only time is simulated.  A heap of events ordered by virtual time
-(ties in insertion order) drives the run:
-
-``step``
-    A node finishes an SGD step (``compute_time_s`` per step, per node).  Every
-    ``exchange_every`` steps it may share its model:
-
-    * *no overlap* (baseline, classic gossip): it sends a snapshot to the peer
-      its scheduler picks and blocks; its next step starts when the message is
-      delivered (queueing on a busy receiver downlink included);
-    * *overlap* (scheduled): only if its uplink is free (so a model never waits
-      behind an older one) it sends a snapshot to the chosen peer and keeps
-      computing at once -- double buffering: one model in flight, one in training.
-``recv_start`` / ``arrive``
-    A transfer starts / is delivered (times from :class:`fedddl.network.LinkScheduler`).
-    On delivery the receiver averages the snapshot in (:func:`merge_models`,
-    weight ``merge_weight``) and the sender's estimator observes the time on the
-    wire.  The merge is *stale* when ``receiver clock - received clock >
-    stale_threshold_steps`` (step clocks: +1 per step, max on merge).
-``eval``
-    Every ``eval_interval_s`` all nodes are evaluated on a fixed test subset;
-    the curve holds the mean accuracy.
-
-With ``compressor`` set, a message is not the model but a compressed difference
-against the receiver's public copy of the sender (:mod:`fedddl.gossip.compressed`,
-the same classes the real peers use): the sender encodes it when it sends (and
-commits its copy at once: the simulated network loses nothing), the receiver
-decodes and applies it on arrival and merges the copy.  Transfer times, the
-scheduler's estimates and ``bytes_total`` use the encoded size.
-
-With the ``scheduled`` scheduler each node broadcasts its
-:class:`~fedddl.gossip.scheduler.PeerState` at time 0 and whenever its
-communication-enabled flag flips (start and end of every model it receives);
-others see it after the link latency (:class:`StatusBoard`).  Those bytes count
-in ``bytes_total`` next to the model messages (``model_bytes_total``: the sum of
-every message's size).
+Every node trains a real model on its own shard (real SGD steps, real test accuracy);
+only time is simulated, by a heap of ``step``, ``recv_start`` / ``arrive`` and ``eval``
+events ordered by virtual time (ties in insertion order). Transfers take their times
+from :class:`fedddl.network.LinkScheduler`; with ``compressor`` set a message is a
+compressed difference (:mod:`fedddl.gossip.compressed`, as on the real peers) and
+sizes, estimates and ``bytes_total`` use the encoded size; with the ``scheduled``
+scheduler the status broadcasts count in ``bytes_total`` too. The events in detail:
+docs/gossip.md.
 """
 
 from __future__ import annotations

@@ -16,11 +16,9 @@ recorded by the simulation, so the server link carries every client's upload
 and every client's download in turn (it is the bottleneck: ``N`` clients on
 one link see ``B / N`` each). Upload and download are sequential because the
 server needs every update before it can aggregate. ``t_compute`` is the
-median of the run's measured per-round ``wall_s`` (robust to stalls caused by
-other jobs on a shared machine and to Ray's actor start-up in round 1). On
-this machine it includes running the clients two at a time on 2 cores and
-in-process message passing, so it over-states the compute of truly parallel
-clients; the communication term is what differs between strategies.
+median of the run's per-round ``wall_s`` (robust to stalls and to Ray's actor
+start-up in round 1); it includes the simulation's own overheads, so the
+communication term is what differs between strategies.
 Each transfer term is :class:`fedddl.network.NetworkModel`'s transfer time
 (``latency + bytes / bandwidth``) on a homogeneous two-node network.
 """

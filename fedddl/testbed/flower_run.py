@@ -66,23 +66,14 @@ RETRANSMITTED_SEGMENT_BYTES = _SEGMENT + _FRAMING
 
 
 def wire_bounds(testbed: Mapping[str, Any], slack: float = 0.10) -> dict[str, tuple[float, float]]:
-    """Band the SuperNodes' interface bytes of a run must fall in, per direction.
+    """Band ``(low, high)`` the SuperNodes' interface bytes of a run must fall in, per direction.
 
-    The payload of a direction is the application's count (``bytes_up``; for
-    ``bytes_down`` plus one app bundle per SuperNode). Lower bound: payload x
-    (1 + :data:`TCP_OVERHEAD`) + the ACKs for the other direction's payload.
-    Upper bound: lower bound + the idle traffic rate measured just before the run
-    (the SuperNodes' polls, TLS and HTTP/2 framing) x the run's duration + the
-    segments the sending side retransmitted during the run (``retransmitted_segments``
-    of the section, x :data:`RETRANSMITTED_SEGMENT_BYTES`; a copy the receiver had
-    already counted is counted again), plus ``slack`` of the total for per-message
-    framing (Flower message metadata, gRPC/HTTP/2 headers, TLS records) and the run's
-    set-up. Measured: the downlink of a 2-round run carried up to 7 % (of payload +
-    app bundles) more than payload, framing and idle polls together, most of it once
-    per run, not per round; 5 % was too tight for it. One CI run received 17.5 %
-    more than payload and framing on the downlink of a 1-round run (0.5-3 % here,
-    idle or with both cores busy); its cause was not recorded. Retransmitted copies
-    are such bytes and vary with the machine's load, so the band counts them.
+    The payload of a direction is the application's count (``bytes_up``; for ``bytes_down``
+    plus one app bundle per SuperNode). ``low`` = payload x (1 + :data:`TCP_OVERHEAD`) + the
+    ACKs for the other direction's payload; ``high`` = (``low`` + the idle traffic rate x the
+    run's duration + the retransmitted segments x :data:`RETRANSMITTED_SEGMENT_BYTES`) x
+    (1 + ``slack``). Keys ``"tx_bytes"`` and ``"rx_bytes"``; why ``slack`` is 10 %:
+    docs/testbed.md.
     """
     app = testbed["app_bytes"]
     down = float(app["down"]) + testbed["supernodes"] * float(app["fab_per_supernode"])

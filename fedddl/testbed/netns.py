@@ -1,33 +1,13 @@
 """The testbed's network: Linux network namespaces, veth links and ``tc`` shaping.
 
-Topology (a star of access links)::
-
-    node i namespace                     hub namespace
-    eth0 10.77.0.(10+i) <--- veth --->   p<i> --+
-    (uplink shaped on eth0 egress)              | bridge br0
-    (downlink shaped on p<i> egress)     p<j> --+-- ... one port per node
-
-* One namespace per node plus one *hub* namespace holding a Linux bridge; each
-  node has one veth pair ``eth0`` (its side) / ``p<i>`` (a bridge port). Node
-  ``i`` has address ``10.77.0.(10+i)/24`` and ``lo`` up. Addresses exist only
-  inside these namespaces; nothing is added to the calling namespace.
-* **Uplink** of node ``i``: an ``htb`` qdisc on ``eth0``, a parent class at the
-  node's uplink rate and one child class per peer ``j`` capped at the per-link
-  rate (classified by destination address with ``u32``), so both the per-link
-  rates of a ``fedddl.network`` matrix and the node's total are enforced.
-  **Downlink**: an ``htb`` class at the downlink rate on ``p<i>``.
-* Segmentation offload is turned off on every veth (``gso_max_size 1500``): the
-  qdiscs and counters see MTU-sized packets as on a real link.
-* No latency: this kernel has no ``netem``. The gossip peers add the profile's
-  per-link latency themselves (``--shaper``, :mod:`fedddl.gossip.transport`);
-  Flower traffic gets none (see docs/testbed.md).
-
-Clean-up is by identity: :meth:`Testbed.down` deletes exactly the namespaces
-this object created (their names carry a random run id and are recorded as they
-are made) after killing the processes still inside them (``ip netns pids``).
-It runs on normal exit, on error and on Ctrl-C (the context manager), and is
-idempotent. :func:`cleanup_recorded` removes the namespaces listed in a
-record file left by a process that was killed outright.
+One namespace per node (address ``10.77.0.(10+i)/24`` on ``eth0``) and a hub
+namespace whose bridge joins the nodes' veth peers ``p<i>``; nothing is added to the
+calling namespace. Node ``i``'s uplink is an ``htb`` class at its uplink rate with one
+child class per peer at the per-link rate; its downlink an ``htb`` class on ``p<i>``.
+Segmentation offload is off; there is no latency (no ``netem``). :meth:`Testbed.down`
+deletes exactly the namespaces this object created, after killing the processes in
+them; it is idempotent and runs on exit, error and Ctrl-C. :func:`cleanup_recorded`
+removes the namespaces of a record file. Topology and clean-up: docs/testbed.md.
 """
 
 from __future__ import annotations
@@ -127,8 +107,7 @@ def _bits(rate_Bps: float) -> str:
 def _burst(rate_Bps: float) -> str:
     # Two MTU-sized packets or 2 ms worth of the rate: enough for the qdisc timers, and
     # small against a model message, so that a message on an idle link is not sent at
-    # line rate from a full bucket (10 ms let a 19.5 kB model cross a 20 Mbit/s link
-    # 5-8 ms sooner than its 7.8 ms serialisation).
+    # line rate from a full bucket (docs/testbed.md, Topology).
     return f"{max(3200, round(rate_Bps * 0.002))}b"
 
 

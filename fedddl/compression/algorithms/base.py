@@ -39,15 +39,10 @@ class Compressor(ABC):
     def compress(
         self, tensor: torch.Tensor, *, scale: float | None = None
     ) -> tuple[Payload, Context]:
-        """Compress ``tensor``.
+        """Compress a floating ``tensor``; return its payload and the context to decompress it.
 
-        Parameters
-        ----------
-        tensor:
-            A floating tensor; non-finite values raise ``ValueError``.
-        scale:
-            A shared scaler (see :meth:`local_scale`); compressors without a
-            scale raise ``ValueError`` when it is given.
+        ``scale`` is a shared scaler (see :meth:`local_scale`). Raises ``ValueError`` on
+        non-finite values, or when ``scale`` is given to a compressor without a scale.
         """
 
     def compress_batch(

@@ -144,20 +144,12 @@ class TernaryCompressor(Compressor):
     def compress(
         self, tensor: torch.Tensor, *, scale: float | None = None
     ) -> tuple[Payload, Context]:
-        """Ternarise ``tensor``.
+        """Ternarise a finite floating ``tensor`` (any shape, fp16/bf16/fp32/fp64).
 
-        Parameters
-        ----------
-        tensor:
-            Finite floating tensor (any shape, fp16/bf16/fp32/fp64).
-        scale:
-            Shared scaler ``>=`` :meth:`local_scale` of this tensor (e.g. the
-            max over workers); ``b ~ Bernoulli(|g_clipped| / scale)`` stays unbiased.
-
-        Raises
-        ------
-        ValueError
-            Non-finite values, or ``scale`` non-finite or below the local scale.
+        ``scale``, a shared scaler, must be ``>=`` :meth:`local_scale` of this tensor (e.g. the
+        max over workers), so ``b ~ Bernoulli(|g_clipped| / scale)`` stays unbiased. Raises
+        ``ValueError`` on non-finite values, or a non-finite ``scale`` or one below the local
+        scale.
         """
         return self._compress_many([tensor], [scale], label_errors=False)[0]
 

@@ -90,19 +90,12 @@ def random_levels(
 def stochastic_codes(
     chunk: torch.Tensor, factor: float, limit: float | None, random: torch.Tensor
 ) -> torch.Tensor:
-    """``uint8`` codes of the stochastic rule for float32 ``chunk`` and integers ``random``.
+    """``uint8`` codes of the stochastic rule for 1-D float32 ``chunk`` and integers ``random``.
 
-    Parameters
-    ----------
-    chunk:
-        1-D float32 values.
-    factor:
-        ``float32(2**16 / s)`` (must be exactly a float32, so that torch's float32
-        arithmetic equals numpy's).
-    limit:
-        ``float32(clip_bound * factor)``, or ``None`` for no clipping.
-    random:
-        Integers ``0 .. RANDOM_HIGH - 1`` on the same device, one per value.
+    ``factor`` is ``float32(2**16 / s)`` (exactly a float32, so torch's float32 arithmetic
+    equals numpy's); ``limit`` is ``float32(clip_bound * factor)`` or ``None`` (no
+    clipping); ``random`` holds one integer in ``0 .. RANDOM_HIGH - 1`` per value, on
+    ``chunk``'s device.
     """
     level = chunk.abs().mul_(factor)
     if limit is not None:
@@ -219,26 +212,13 @@ def ternarize_stochastic(
     codec: str,
     out: torch.Tensor,
 ) -> None:
-    """Stochastically ternarise 1-D float32 ``flat`` and pack the codes into ``out``.
+    """Stochastically ternarise 1-D contiguous finite float32 ``flat``; pack the codes into ``out``.
 
-    Draws ``flat.numel()`` random integers from ``generator`` (on ``flat``'s device), one
-    call per :data:`CHUNK` values, so the codes depend on the seed, the generator's history
-    and the device's generator algorithm only.
-
-    Parameters
-    ----------
-    flat:
-        1-D contiguous float32 finite values.
-    scale:
-        The scaler ``s > 0`` (exactly a float32).
-    clip_bound:
-        Clip ``|g|`` to this first; only used when below ``scale``.
-    generator:
-        A generator on ``flat``'s device (``None``: the device's default generator).
-    codec:
-        Packing codec.
-    out:
-        ``uint8`` tensor of ``packed_size(flat.numel(), codec)`` bytes on the same device.
+    ``scale`` is the scaler ``s > 0`` (exactly a float32); ``clip_bound`` clips ``|g|`` first
+    when below ``scale``; ``generator`` lives on ``flat``'s device (``None``: the device's
+    default); ``out`` is ``uint8`` of ``packed_size(flat.numel(), codec)`` bytes on that
+    device. Draws ``flat.numel()`` random integers, one call per :data:`CHUNK` values, so the
+    codes depend only on the seed, the generator's history and the device's algorithm.
     """
     factor = _float32(RANDOM_HIGH / scale)
     limit = None if clip_bound is None or clip_bound >= scale else _float32(clip_bound * factor)

@@ -102,8 +102,7 @@ def _codes_from_masks(fire: np.ndarray, negative: np.ndarray, codes: np.ndarray)
 
 
 def _touched_bytes(size: int) -> np.ndarray:
-    """A new byte array, first touched by this thread (concurrent first-touch page faults
-    from the worker threads were measured several times slower than one thread's)."""
+    """A new byte array, first touched by this thread, not the workers (docs/ARCHITECTURE.md)."""
     out = np.empty(size, dtype=np.uint8)
     out.fill(0)
     return out
@@ -116,26 +115,11 @@ def ternarize_stochastic(
     bits: RandomBits,
     codec: str = "2bit",
 ) -> torch.Tensor:
-    """Stochastically ternarise and pack a 1-D float32 tensor.
+    """Stochastically ternarise 1-D contiguous finite float32 ``flat``; return the packed codes.
 
-    Parameters
-    ----------
-    flat:
-        1-D contiguous float32 values, all finite.
-    scale:
-        The scaler ``s > 0``.  Values with ``|g| >= s`` always fire.
-    clip_bound:
-        Clip ``|g|`` to this bound first; only needed when it is below ``scale``
-        (a shared scale), ``None``: no clipping.
-    bits:
-        Source of random integers; advanced by ``flat.numel()`` values.
-    codec:
-        Packing codec.
-
-    Returns
-    -------
-    torch.Tensor
-        Packed ``uint8`` codes.
+    ``scale`` is the scaler ``s > 0`` (values with ``|g| >= s`` always fire); ``clip_bound``
+    clips ``|g|`` first when below ``scale`` (``None``: no clipping); ``bits`` is advanced
+    by ``flat.numel()`` values; ``codec`` is the packing codec. Returns ``uint8`` codes.
     """
     return ternarize_stochastic_batch([flat], [scale], [clip_bound], bits, codec)[0]
 

@@ -85,27 +85,13 @@ def unpack_codes(
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Unpack codes into a 1-D float32 tensor of ``scale * value``.
+    """Unpack ``numel`` codes of ``codec`` into a 1-D float32 tensor of ``scale * value``.
 
-    Invalid codes decode to 0; use :func:`find_invalid_codes` to reject them.
-
-    Parameters
-    ----------
-    packed:
-        1-D ``uint8`` packed codes (:func:`packed_size` bytes).
-    numel, scale, codec:
-        What the codes describe.
-    out:
-        Optional 1-D contiguous float32 CPU tensor of ``numel`` elements to
-        write into.  Without it a new tensor is allocated
-        (:func:`unpack_codes_new`); a warm, reused buffer is about twice as
-        fast for large tensors (no page faults).  Both use up to
-        ``torch.get_num_threads()`` threads.
-
-    Returns
-    -------
-    torch.Tensor
-        ``out``, or the new tensor; it never aliases ``packed``.
+    ``packed`` is 1-D ``uint8`` (:func:`packed_size` bytes). Invalid codes decode to 0 (use
+    :func:`find_invalid_codes` to reject them). Writes into ``out`` (1-D contiguous float32
+    CPU, ``numel`` elements) when given, else into a new tensor (:func:`unpack_codes_new`);
+    uses up to ``torch.get_num_threads()`` threads. Returns ``out`` or the new tensor, never
+    an alias of ``packed``.
     """
     if out is None:
         return unpack_codes_new([(packed, numel, scale, codec)])[0]
@@ -135,11 +121,9 @@ def unpack_codes_into(
 def unpack_codes_new(items: Sequence[tuple[torch.Tensor, int, float, str]]) -> list[torch.Tensor]:
     """:func:`unpack_codes` of several tensors into new tensors, in one threaded pass.
 
-    Each item is ``(packed, numel, scale, codec)``.  The first touch of new
-    memory page-faults, and concurrent faults from two threads were measured
-    3-5x slower than one thread's here; so the calling thread touches every
-    page of a segment (one byte per 4 KiB page) while the pool decodes the
-    segments it has already touched.
+    Each item is ``(packed, numel, scale, codec)``. The calling thread first-touches
+    every page of a segment while the pool decodes the segments already touched (why:
+    docs/ARCHITECTURE.md).
     """
     if is_small(sum(numel for _, numel, _, _ in items)):  # one thread, no pipelining
         small = []

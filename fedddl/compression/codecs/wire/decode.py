@@ -92,37 +92,20 @@ def decode_update(
     max_bytes: int | None = None,
     max_tensors: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Decode a message of :func:`encode_update` into tensors by name.
+    """Decode a message of :func:`encode_update` into tensors by name, in message order.
 
-    Parameters
-    ----------
-    data:
-        The message.
-    out:
-        Optional tensors to decode into, in place (e.g. a reused aggregation
-        buffer or a model's ``.grad`` tensors): exactly the message's names,
-        with the same shapes; any supported floating dtype and any device
-        (values are cast).  Contiguous float32 CPU tensors are written
-        directly, which is about twice as fast as allocating new tensors.
-        Ternary entries for tensors off the CPU cross as packed bytes (one
-        copy per device) and are unpacked there with torch ops.
-        On any error none of them has been written.
-    max_bytes, max_tensors:
-        As in :func:`read_header`: refuse a longer message, or one declaring more
-        tensors, before reading anything else.
-
-    Returns
-    -------
-    dict[str, torch.Tensor]
-        The decoded tensors in message order: new tensors with the original
-        shapes and dtypes that own their memory, or the tensors of ``out``.
+    Without ``out``: new tensors with the original shapes and dtypes that own their memory.
+    With ``out`` (exactly the message's names and shapes; any supported floating dtype and
+    device, values cast): decoded in place and returned; ternary entries for tensors off the
+    CPU cross as packed bytes and are unpacked there. ``max_bytes`` / ``max_tensors`` refuse
+    a longer message, or one declaring more tensors, before anything else is read (as in
+    :func:`read_header`).
 
     Raises
     ------
     PayloadError
-        For any malformed input, or a message that does not match ``out``
-        (the message names the problem); nothing is returned or written
-        partially decoded.
+        For any malformed input or a message that does not match ``out`` (naming the
+        problem); nothing is returned, and nothing in ``out`` written.
     """
     return decode_layout(Layout(*validated_entries(as_view(data, max_bytes), max_tensors)), out)
 

@@ -72,35 +72,20 @@ def read_header(
 ) -> list[EntryHeader]:
     """Read and check a message's header without decoding (or allocating) any tensor.
 
-    Everything :func:`decode_update` checks before it touches the data is checked here:
-    magic, version, length, CRC, flags, every entry (names, dtypes, kinds, shapes,
-    scales) and that the declared data sizes add up to the bytes present. Code values
-    are not read (an invalid code is only found by :func:`decode_update`). An
+    Checks everything :func:`decode_update` checks before it touches the data: magic,
+    version, length, CRC, flags, every entry (names, dtypes, kinds, shapes, scales) and that
+    the declared data sizes add up to the bytes present; code values are not read. An
     entropy-coded message is decompressed first (to at most
-    :data:`fedddl.compression.codecs.entropy.MAX_EXPANSION` times its size).
-
-    Parameters
-    ----------
-    data:
-        The message.
-    max_bytes:
-        Reject a message longer than this, before reading anything else.
-    max_tensors:
-        Reject a message declaring more tensors than this, before parsing its entries.
-    dense_peaks:
-        Also read the values of the dense entries (only those) to measure their largest
-        magnitude (:attr:`EntryHeader.peak`); a non-finite value is then a
-        :class:`PayloadError`.
-
-    Returns
-    -------
-    list[EntryHeader]
-        The entries in message order.
+    :data:`fedddl.compression.codecs.entropy.MAX_EXPANSION` times its size). ``max_bytes`` /
+    ``max_tensors`` refuse a longer message, or one declaring more tensors, first;
+    ``dense_peaks`` also reads the dense entries' values for :attr:`EntryHeader.peak`.
+    Returns the entries in message order.
 
     Raises
     ------
     PayloadError
-        For any malformed header, or a message over ``max_bytes`` / ``max_tensors``.
+        For any malformed header, a message over ``max_bytes`` / ``max_tensors``, or (with
+        ``dense_peaks``) a non-finite dense value.
     """
     return open_message(
         data, max_bytes=max_bytes, max_tensors=max_tensors, dense_peaks=dense_peaks
