@@ -132,8 +132,9 @@ class TernGrad(Strategy):
         return self.server.aggregate_gradients(contributions)
 
     def encode_downlink(self, server_round: int, aggregate: Aggregate) -> tuple[bytes, str]:
-        """Override point: the broadcast bytes of the aggregate and their format (default:
-        the shared-scale sum when it applies, else the re-encoded aggregate)."""
+        """Override point: the broadcast bytes of the aggregate, its pooled statistics
+        included, and their format (default: the shared-scale sum when it applies, else the
+        re-encoded aggregate)."""
         return self.server.encode_downlink(server_round, aggregate)
 
     # ------------------------------------------------------ the server's state
