@@ -65,7 +65,8 @@ class TernGrad(Strategy):
     Attributes
     ----------
     server : ReplicaServer
-        The parts, with this strategy as their override points.
+        The parts, with this strategy as their override points; the server's state
+        (``shadow``, ``log``, ``reports``, ``fingerprints``, ...) is read there.
     """
 
     def __init__(
