@@ -117,12 +117,9 @@ class ReplicaServer:
         return self.broadcast.combine(contributions, self._code_scales())
 
     def encode_downlink(self, server_round: int, aggregate: Aggregate) -> tuple[bytes, str]:
-        """Override point: the broadcast bytes (they must decode with
-        :func:`~fedddl.compression.codecs.downlink.decode_broadcast_parts`) and their format.
-
-        The aggregate's pooled statistics belong in the same bundle; a bare (non-bundle)
-        gradient gets them added by the server.
-        """
+        """Override point: the broadcast bytes of :mod:`fedddl.compression.codecs.downlink`,
+        the pooled statistics included (a bare ``E``/``S`` gradient gets them added), and
+        their format."""
         return self.broadcast.encode(server_round, aggregate, self.compressor_for(server_round))
 
     # -------------------------------------------------------------- the parts' state
