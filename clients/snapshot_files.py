@@ -1,10 +1,8 @@
 """Client replica snapshots in files shared by the processes of one machine.
 
 Flower ships a node's whole ``context.state`` to the simulation actor and back with every
-message. A replica snapshot there (weights, BatchNorm buffers, momentum: 38 kB for the digits
-MLP, 0.6 MB for ResNet-8, 90 MB for ResNet-18) made each digits message about 1.6 ms slower
-under Ray (measured: 4.0 ms of Ray and Flower time per message instead of 2.4 ms when 47 kB
-sit in ``context.state``). With a snapshot directory (``client-snapshot-dir``; ``fedddl
+message, so a replica snapshot there (weights, BatchNorm buffers, momentum) slows every
+message (``docs/round-time.md``). With a snapshot directory (``client-snapshot-dir``; ``fedddl
 simulate`` uses a temporary one per run), :func:`clients.state.save_state` writes the
 snapshot to a file and ``context.state`` keeps only its name and checksum
 (:data:`FILE_KEYS`), the digests and the journal.

@@ -14,16 +14,7 @@ that claims a version *ahead* of the current one (possible after the server
 resumed from a checkpoint older than its crash) always gets a snapshot: updates
 cannot be undone.
 
-Choosing ``update-log-size`` (the log's capacity) trades server memory against
-downlink bytes. The log costs ``size × encoded update bytes`` of server memory
-(and a replay of k missed rounds sends about ``k ×`` that), a snapshot costs
-``fp32 weights + momentum`` (``8 × parameters`` bytes) per resyncing client.
-Replay is cheaper while ``k × update bytes < snapshot bytes``; with ternary
-updates (about 1/16 of fp32 plus per-tensor headers) that holds up to k ≈ 34
-for the model below, so a longer log saves nothing there. Measured for the digits MLP with
-``ternary-base3`` and size 8 (``pytest -s tests/test_strategy_replica.py -k
-resync_cost``), bytes of the catch-up message: missed 1 → 1,198; 2 → 2,328;
-4 → 4,588; 8 → 9,108; 16 → snapshot, 38,975. A size-8 log holds about 9 kB.
+Choosing ``update-log-size`` (memory against downlink bytes): ``docs/terngrad.md``.
 
 This module is torch-only (no Flower): records conversion lives in
 :mod:`fedddl.flower.records`.

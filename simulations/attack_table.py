@@ -1,4 +1,4 @@
-"""Final accuracy under attack, per aggregator: the README's table of untrusted clients.
+"""Final accuracy under attack, per aggregator: the tables of docs/untrusted-clients.md.
 
 Runs the real ServerApp loop and ClientApps (honest and malicious) of ``fedddl simulate``
 (digits, 10 clients, stratified shards, the default TernGrad settings) once per cell, writes
@@ -13,13 +13,12 @@ messages of a simulation); ``--ray`` runs each cell as ``fedddl simulate`` on Ra
 own process instead (same apps, Ray actors, slower to start).
 
 Columns: ``plain mean`` is the mean without the scale bound and without the resync rate
-limit (``--scale-bound 0 --resync-interval 0``: what the server did before they existed,
-except that malformed metrics and payloads whose header does not fit the model are
-always refused); ``mean`` is the default; then each robust aggregator with the default
-bound. Model-poisoning attacks run in every column; attacks the screening refuses whatever
-the aggregator (bad metrics, oversized payloads) run with the default and one attacker only;
-the bandwidth attacks run plain and default, and their table shows bytes and replica
-agreement.
+limit (``--scale-bound 0 --resync-interval 0``; malformed metrics and payloads whose
+header does not fit the model are refused whatever the settings); ``mean`` is the default;
+then each robust aggregator with the default bound. Model-poisoning attacks run in every
+column; attacks the screening refuses whatever the aggregator (bad metrics, oversized
+payloads) run with the default and one attacker only; the bandwidth attacks run plain and
+default, and their table shows bytes and replica agreement.
 """
 
 from __future__ import annotations

@@ -2,38 +2,26 @@
 
 Runs the same configuration with each strategy through ``fedddl simulate``'s Python API
 (Flower's Ray simulation, one actor per ``--cpus-per-client`` CPUs), each run in a fresh
-Python process (runs are independent samples: nothing a run leaves in the process, Ray's
-or ours, weighs on the next), ``--repeats`` times, alternating which strategy goes first,
-and prints each run's median round (the first round, which pays Ray's start-up, is left
-out), its median exchange (the server's messages out to the last reply in: the clients'
-work and Flower's and Ray's hops), its final accuracy and its mean bytes per round, then
-the median over runs and the ratios to FedAvg and to GradientAverage (same seed, same
-shards), where the round went (exchange against the rest: the server's work on the
-round), and, run by run, the ratio of TernGrad's median to the other strategy's in the
-same repeat.
+Python process, ``--repeats`` times, alternating which strategy goes first. It prints each
+run's median round (round 1, which pays Ray's start-up, left out), median exchange (the
+server's messages out to the last reply in), final accuracy and mean bytes per round, then
+the medians over runs, the ratios to FedAvg and GradientAverage (same seed, same shards)
+and, run by run, the ratio of TernGrad's median to the other strategy's in the same repeat.
 
 With ``--interleave SECONDS`` a repeat starts every strategy's fresh process at once and
-lets only one of them run at a time, pausing the others (``SIGSTOP`` to every process the
-run started, its Ray workers included, found by a token in their environment; ``SIGCONT``
-to resume) and switching every SECONDS: all strategies then run on the same machine in
-the same minutes, which the one-after-the-other runs cannot promise on a machine whose
-speed drifts (a shared VM's slow and fast phases move whole runs by 20-40 %). Only rounds
-that start after their process was resumed and end before it was paused again count; the
-ratio is also given *per cycle* (one slice of each strategy, the medians of the slices'
-rounds compared), paired at a few seconds' distance. Linux only.
+lets one run at a time (``SIGSTOP``/``SIGCONT`` to every process a run started, Ray workers
+included, switching every SECONDS), so all strategies share the machine's slow and fast
+phases; only rounds inside a slice count, and the ratio is also given *per cycle*. Linux only.
+Why and the measurements: ``docs/round-time.md``.
 
     python -m simulations.bench_round_time --dataset digits --rounds 40
-    python -m simulations.bench_round_time --dataset fashion-mnist --arch resnet8 --rounds 100 \
-        --repeats 1 --eval-samples 2000
     python -m simulations.bench_round_time --rounds 2000 --repeats 1 --interleave 3 \
         --strategies terngrad,fedavg
 
-The last lines read ``bytes per round (up + down): terngrad A B, ...``, ``median round:
-terngrad A s, fedavg B s, gradient-average C s (terngrad/fedavg R, terngrad/gradient-average
-Q)``, ``median exchange: terngrad A s, ...; rest of the round: terngrad B s, ...`` and
-``per repeat terngrad/fedavg: r1 r2 ... (TernGrad no slower in K of N)``; with
-``--interleave``, also ``per cycle terngrad/fedavg: median R (quartiles A-B; TernGrad no
-slower in K of N cycles)``.
+The last lines read ``bytes per round (up + down): ...``, ``median round: terngrad A s,
+fedavg B s, ... (terngrad/fedavg R, ...)``, ``median exchange: ...; rest of the round: ...``
+and ``per repeat terngrad/fedavg: r1 r2 ... (TernGrad no slower in K of N)`` (with
+``--interleave`` also ``per cycle terngrad/fedavg: median R (...)``).
 """
 
 from __future__ import annotations

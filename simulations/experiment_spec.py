@@ -12,26 +12,18 @@ A file describes one claim::
     [matrix]                     optional: lists of values; every variant runs in every
                                  combination (its group), named by the ``group`` template
 
-A matrix such as::
+A matrix ``num-clients = [50, 100]``, ``local-steps = [1, 20]``,
+``group = "{num-clients} workers, {local-steps} local steps"`` turns each variant into four,
+one per combination, in groups named from the template (``{key}`` is replaced by the value;
+a list item may be a table that sets several keys at once,
+``{name = "clean", attack = "", num-attackers = 0}``, named by its ``name``).
+``[datasets.<name>.matrix]`` and ``[quick.matrix]`` replace the matrix for that dataset or
+``--quick``. Variants of a matrix experiment have no group of their own.
 
-    [matrix]
-    num-clients = [50, 100]
-    local-steps = [1, 20]
-    group = "{num-clients} workers, {local-steps} local steps"
-
-turns each variant into four, one per combination, in groups named from the template
-(``{key}`` is replaced by the value). A list item may be a table that sets several
-keys at once, ``{name = "clean", attack = "", num-attackers = 0}``, named in the template
-by its ``name``. ``[datasets.<name>.matrix]`` replaces the
-matrix for that dataset, ``[quick.matrix]`` for ``--quick``; a matrix value wins over
-``[config]``, ``[datasets.<name>]`` and ``[quick]``, a variant's own key over the
-matrix. Variants of a matrix experiment have no group of their own.
-
-``target-accuracy`` may be overridden in ``[quick]`` / ``[datasets.<name>]`` too; it
-is passed on to the gossip tool (which measures time-to-target itself) and kept
-out of simulate's run config (the report applies it to the recorded curve).
-Overrides are applied in the order config < dataset < quick < matrix < variant, so a
-variant's defining key (its strategy, partition or scheduler) always wins.
+Overrides apply in the order config < dataset < quick < matrix < variant, so a variant's
+defining key (its strategy, partition or scheduler) always wins. ``target-accuracy`` goes
+to the gossip tool (which measures time-to-target itself), not to simulate's run config
+(the report applies it to the recorded curve).
 """
 
 from __future__ import annotations

@@ -272,7 +272,7 @@ def run_suite(
     engine : str
         ``"ray"``: Flower's simulation engine, as ``fedddl simulate``; ``"inline"``: the
         same ServerApp and ClientApp in one process without Ray (replies in a fixed
-        order; no 16 s Ray start per run). Gossip runs are the same under both.
+        order; no Ray start per run). Gossip runs are the same under both.
 
     Returns
     -------

@@ -1,34 +1,16 @@
 """The fedddl ServerApp: builds the strategy, runs it, evaluates, writes the results JSON.
 
-``app`` (used by ``flwr run``) reads its :class:`~fedddl.app_config.AppConfig`
-from ``context.run_config``; :func:`make_server_app` binds a given config and a
-``sink`` that receives the results dict (the in-process ``fedddl simulate`` path).
+``app`` (used by ``flwr run``) reads its :class:`~fedddl.app_config.AppConfig` from
+``context.run_config``; :func:`make_server_app` binds a given config and a ``sink`` that
+receives the results dict (the ``fedddl simulate`` path).
 
-Checkpoint and resume (TernGrad family): with ``checkpoint-dir`` set, the run
-first looks for the newest readable checkpoint there (each skipped one is logged at
-WARNING with its reason); if one exists it checks that every setting that changes the
-trajectory (:data:`RESUME_CHECK_KEYS`: every run-config key except
-:data:`RESUME_IGNORED_KEYS`) is unchanged, restores the strategy
-(:meth:`~strategies.replica_strategy.ReplicaStrategy.restore`, which validates the state
-first) and runs only the remaining ``num-server-rounds - checkpoint.round`` rounds,
-numbering them globally in the results. When the directory holds checkpoint files but
-none is readable the run stops with an error, unless ``checkpoint-allow-fresh-start``.
-With ``checkpoint-key-file`` every checkpoint is written and read with an HMAC-SHA256
-tag under that key. With ``checkpoint-every = N`` a checkpoint is written after every
-global round divisible by N, and only the newest ``checkpoint-keep`` are kept.
-
-Attack evaluation (``attack``, ``num-attackers``): before the first round the ServerApp
-holds a roll call (:mod:`strategies.roll_call`) to learn which nodes hold the attacking
-partitions; the results then carry ``"attack"`` (kind, partition and node ids) and, per
-round, the bytes to and from the attackers and ``replicas_equal_honest``.
-
-In a deployment (Flower's ``HttpGrid``) the grid is wrapped in
-:class:`fedddl.flower.grid.FastPollGrid` (replies polled every 50 ms instead
-of every 3 s). Other grids (simulation, the in-process test grid) are used as given.
-
-The ServerApp asks a strategy for reports, its global model and checkpoints only through
-:class:`strategies.replica_strategy.ReplicaStrategy`; any other Flower strategy runs with
-the byte counts and server-side evaluation alone.
+A strategy that implements :class:`~strategies.replica_strategy.ReplicaStrategy` (the
+TernGrad family) also gets per-round reports, checkpoints and resume (the ``checkpoint-*``
+keys; a resume refuses a change to any of :data:`RESUME_CHECK_KEYS`) and, with ``attack``,
+a roll call (:mod:`strategies.roll_call`) that names the attacking nodes; any other Flower
+strategy runs with the byte counts and server-side evaluation alone. Flower's grids are
+polled sooner (:func:`fedddl.flower.grid.fast_poll`); the inline engine's grid is used as
+given. Checkpoint and resume in full: ``docs/deployment.md``.
 """
 
 from __future__ import annotations

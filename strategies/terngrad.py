@@ -26,7 +26,6 @@ from fedddl.app_config import AppConfig
 from fedddl.checkpoint import ServerCheckpoint
 from fedddl.flower.logs import use_flower_logging
 from fedddl.flower.protocol import MAX_EXAMPLES, build_train_content, parse_reply
-from fedddl.replica import Replica, UpdateLog
 from fedddl.sync import (
     Aggregate,
     ClientReply,
@@ -35,11 +34,8 @@ from fedddl.sync import (
     ParseFailure,
     ReplicaServer,
     ReplyError,
-    TrainInstruction,
 )
 from fedddl.sync import RoundReport as RoundReport
-from fedddl.sync.nodes import NodeBook
-from fedddl.sync.scale_bound import ScaleBound
 from fedddl.sync.server import DEFAULT_COMPRESSOR
 from strategies.sampling import sample_nodes
 
@@ -69,7 +65,8 @@ class TernGrad(Strategy):
     Attributes
     ----------
     server : ReplicaServer
-        The parts, with this strategy as their override points.
+        The parts, with this strategy as their override points; the server's state
+        (``shadow``, ``log``, ``reports``, ``fingerprints``, ...) is read there.
     """
 
     def __init__(
@@ -132,74 +129,23 @@ class TernGrad(Strategy):
         return self.server.aggregate_gradients(contributions)
 
     def encode_downlink(self, server_round: int, aggregate: Aggregate) -> tuple[bytes, str]:
-        """Override point: the broadcast bytes of the aggregate and their format (default:
-        the shared-scale sum when it applies, else the re-encoded aggregate)."""
+        """Override point: the broadcast bytes of the aggregate, its pooled statistics
+        included, and their format (default: the shared-scale sum when it applies, else the
+        re-encoded aggregate)."""
         return self.server.encode_downlink(server_round, aggregate)
 
-    # ------------------------------------------------------ the server's state
-    @property
-    def shadow(self) -> Replica:
-        """The server's replica (see :attr:`ReplicaServer.shadow`)."""
-        return self.server.shadow
+    # ------------------------------------ what the ServerApp asks (ReplicaStrategy)
+    def round_report(self) -> RoundReport | None:
+        """The report of the latest aggregated round (None before the first)."""
+        return self.server.last_report
 
-    @property
-    def log(self) -> UpdateLog:
-        """Encoded broadcast updates, by the version they produce."""
-        return self.server.log
+    def global_model(self) -> nn.Module:
+        """The shadow replica's model (what every client replica equals)."""
+        return self.server.shadow.model
 
-    @property
-    def fingerprints(self) -> dict[int, str]:
-        """Fingerprints of recent versions."""
-        return self.server.fingerprints
-
-    @property
-    def reports(self) -> list[RoundReport]:
-        """One report per aggregated round."""
-        return self.server.reports
-
-    @property
-    def nodes(self) -> NodeBook:
-        """What the server knows about each node's replica."""
-        return self.server.nodes
-
-    @property
-    def scale_bound(self) -> ScaleBound:
-        """The header scale bound and its history."""
-        return self.server.scale_bound
-
-    @property
-    def min_replies(self) -> int:
-        """Admitted replies a round needs to apply an update."""
-        return self.server.min_replies
-
-    @min_replies.setter
-    def min_replies(self, value: int) -> None:
-        self.server.min_replies = value
-
-    @property
-    def round_offset(self) -> int:
-        """Rounds completed before a restore (added to Flower's round numbers)."""
-        return self.server.round_offset
-
-    @property
-    def seed(self) -> int:
-        """Seeds node sampling and the server-side compressor."""
-        return self.server.seed
-
-    @property
-    def downlink(self) -> str:
-        """The downlink format setting."""
-        return self.server.downlink
-
-    def plan_round(self, server_round: int, nodes: Iterable[int]) -> dict[int, TrainInstruction]:
-        """See :meth:`ReplicaServer.plan_round`."""
-        return self.server.plan_round(server_round, nodes)
-
-    def aggregate(
-        self, server_round: int, replies: Iterable[ClientReply | ParseFailure]
-    ) -> RoundReport:
-        """See :meth:`ReplicaServer.aggregate`."""
-        return self.server.aggregate(server_round, replies)
+    def model_version(self) -> int:
+        """The shadow replica's version."""
+        return self.server.shadow.version
 
     def checkpoint(self, server_round: int, config: dict[str, object]) -> ServerCheckpoint:
         """The state to save after global round ``server_round``."""
@@ -209,44 +155,32 @@ class TernGrad(Strategy):
         """Continue from ``ckpt`` (raises ``CheckpointError`` and changes nothing if unfit)."""
         self.server.restore(ckpt)
 
-    # ------------------------------------------------- what the ServerApp asks
-    def round_report(self) -> RoundReport | None:
-        """The report of the latest aggregated round (None before the first)."""
-        return self.server.last_report
-
-    def global_model(self) -> nn.Module:
-        """The shadow replica's model (what every client replica equals)."""
-        return self.shadow.model
-
-    def model_version(self) -> int:
-        """The shadow replica's version."""
-        return self.shadow.version
-
     # -------------------------------------------------------------- training
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """One message per sampled node: missed updates (or a snapshot) + compute order."""
         del arrays, config  # the protocol never broadcasts weights
-        server_round += self.round_offset
+        server_round += self.server.round_offset
         nodes = sample_nodes(
             grid,
             fraction=self.fraction_train,
             min_available_nodes=self.min_available_nodes,
-            seed=self.seed,
+            seed=self.server.seed,
             server_round=server_round,
             wait_timeout=self.wait_timeout,
         )
         contents: dict[int, RecordDict] = {}  # one content per shared instruction
         messages: list[Message] = []
-        for node, instruction in self.plan_round(server_round, nodes).items():
+        for node, instruction in self.server.plan_round(server_round, nodes).items():
             content = contents.get(id(instruction))
             if content is None:
                 content = contents[id(instruction)] = build_train_content(instruction)
             messages.append(
                 Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node)
             )
-        log(INFO, "configure_train: %d nodes, model version %d", len(messages), self.shadow.version)
+        version = self.model_version()
+        log(INFO, "configure_train: %d nodes, model version %d", len(messages), version)
         return messages
 
     def aggregate_train(
@@ -257,9 +191,8 @@ class TernGrad(Strategy):
         Returns no arrays: the shadow replica stays where it lives (no per-round copy of the
         model into a record); the ServerApp evaluates :meth:`global_model` directly.
         """
-        report = self.aggregate(
-            server_round + self.round_offset, _parsed(replies, self.max_examples)
-        )
+        global_round = server_round + self.server.round_offset
+        report = self.server.aggregate(global_round, _parsed(replies, self.max_examples))
         metrics = MetricRecord(
             {
                 "num-accepted": len(report.accepted),
@@ -289,13 +222,14 @@ class TernGrad(Strategy):
 
     def summary(self) -> None:
         """Log the strategy configuration."""
+        server, bound = self.server, self.server.scale_bound
         log(INFO, "\t├──> Uplink compressor: %s", self.compressor_name())
-        log(INFO, "\t├──> Downlink: %s", self.downlink)
+        log(INFO, "\t├──> Downlink: %s", server.downlink)
         log(INFO, "\t├──> Fraction train: %.2f", self.fraction_train)
-        log(INFO, "\t├──> Min replies: %d", self.min_replies)
-        log(INFO, "\t├──> Aggregator: %s", self.server.defenses.aggregator)
-        log(INFO, "\t├──> Scale bound: %g (%s)", self.scale_bound.factor, self.scale_bound.action)
-        log(INFO, "\t└──> Update log size: %d", self.log.capacity)
+        log(INFO, "\t├──> Min replies: %d", server.min_replies)
+        log(INFO, "\t├──> Aggregator: %s", server.defenses.aggregator)
+        log(INFO, "\t├──> Scale bound: %g (%s)", bound.factor, bound.action)
+        log(INFO, "\t└──> Update log size: %d", server.log.capacity)
 
 
 def _parsed(replies: Iterable[Message], max_examples: int) -> Iterator[ClientReply | ParseFailure]:

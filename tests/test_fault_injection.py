@@ -170,8 +170,8 @@ def test_twenty_percent_faulty_clients_per_round_still_converge_and_agree() -> N
     effective = clients.effective
     assert set(effective.values()) == set(KINDS)  # every kind really happened
     assert len(effective) >= 0.9 * len(plan), (len(effective), len(plan))
-    assert [r.version for r in strategy.reports] == list(range(1, ROUNDS + 1))
-    for report in strategy.reports:
+    assert [r.version for r in strategy.server.reports] == list(range(1, ROUNDS + 1))
+    for report in strategy.server.reports:
         faulty = {n: k for (rnd, n), k in effective.items() if rnd == report.server_round}
         healthy = sorted(set(range(1000, 1000 + NODES)) - set(faulty))
         # Exactly the healthy nodes are aggregated (faulty ones of the previous round
@@ -185,7 +185,7 @@ def test_twenty_percent_faulty_clients_per_round_still_converge_and_agree() -> N
     from fedddl.training import evaluate
 
     x, y = as_tensors(load_dataset("digits", split="test"))
-    _, accuracy = evaluate(strategy.shadow.model, x, y)
+    _, accuracy = evaluate(strategy.server.shadow.model, x, y)
     # Measured: 0.9244 with this plan (93 of 98 planned faults effective), 0.9311
     # without faults, 0.9289 / 0.9311 with fault plan seeds 1 / 2.
     assert accuracy > 0.85, accuracy
@@ -196,17 +196,17 @@ def test_twenty_percent_faulty_clients_per_round_still_converge_and_agree() -> N
     assert len(messages) == NODES
     replies = list(grid.send_and_receive(messages))
     assert len(replies) == NODES
-    target = strategy.shadow.fingerprint()
+    target = strategy.server.shadow.fingerprint()
     for reply in replies:
         parsed = parse_reply(reply)
-        assert not parsed.resync and parsed.model_version == strategy.shadow.version
+        assert not parsed.resync and parsed.model_version == strategy.server.shadow.version
         assert parsed.fingerprint == target[:32]
     for node, ctx in grid.contexts.items():
         st = load_state(
             ctx.state, cfg.model_factory(), cfg.learning_rate, cfg.momentum
         )
         assert st.replica is not None, node
-        assert st.replica.version == strategy.shadow.version
+        assert st.replica.version == strategy.server.shadow.version
         assert st.replica.fingerprint() == target, node
 
 
@@ -218,14 +218,14 @@ def test_round_with_fewer_valid_replies_than_min_replies_applies_nothing(
     grid = LossyGrid(FaultyClients(make_client_app(cfg), cfg, plan), 4)
     strategy = build_strategy(cfg, cfg.model_factory())
     assert isinstance(strategy, TernGrad)
-    strategy.min_replies = 3
+    strategy.server.min_replies = 3
     strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=3)
-    r1, r2, r3 = strategy.reports
+    r1, r2, r3 = strategy.server.reports
     assert [r.version for r in (r1, r2, r3)] == [1, 1, 2]
     assert [r.skipped for r in (r1, r2, r3)] == [False, True, False]
     assert r2.accepted == [1002, 1003] and set(r2.dropped) == {1000, 1001}
     assert any("round 2 skipped: 2 valid replies, need 3" in line for line in flwr_warnings)
-    assert [v for v, _ in strategy.log.since(0)] == [1, 2]
+    assert [v for v, _ in strategy.server.log.since(0)] == [1, 2]
     # The round after the skipped one starts from version 1 for everyone: all four
     # replies (the two faulty nodes caught up by log) match the shadow at version 1.
     assert r3.accepted == [1000, 1001, 1002, 1003] and r3.replicas_equal
@@ -234,7 +234,7 @@ def test_round_with_fewer_valid_replies_than_min_replies_applies_nothing(
             ctx.state, cfg.model_factory(), cfg.learning_rate, cfg.momentum
         )
         assert st.replica is not None and st.replica.version == 1
-        assert st.replica.fingerprint() == strategy.fingerprints[1]
+        assert st.replica.fingerprint() == strategy.server.fingerprints[1]
     with pytest.raises(ValueError, match="min-replies"):
         AppConfig(min_replies=0)
 
@@ -263,7 +263,7 @@ def test_a_duplicated_reply_is_counted_once() -> None:
     strategy = build_strategy(cfg, cfg.model_factory())
     assert isinstance(strategy, TernGrad)
     strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=2)
-    for report in strategy.reports:
+    for report in strategy.server.reports:
         assert report.accepted == [1000, 1001, 1002]
         assert "already replied" in report.dropped[1000]
-    assert strategy.reports[-1].replicas_equal
+    assert strategy.server.reports[-1].replicas_equal

@@ -79,11 +79,11 @@ def test_user_strategy_and_compressor_by_name_run_end_to_end() -> None:
     assert type(strategy) is SignGrad
     grid = CountingGrid(InlineGrid(make_client_app(cfg), 3))
     strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=3)
-    assert all(len(r.accepted) == 3 and r.replicas_equal for r in strategy.reports)
+    assert all(len(r.accepted) == 3 and r.replicas_equal for r in strategy.server.reports)
     # The broadcast is the re-encoded aggregate: every value is +-s or 0 per tensor.
     from fedddl.compression.codecs.downlink import decode_broadcast
 
-    update = decode_broadcast(strategy.log.since(2)[0][1])
+    update = decode_broadcast(strategy.server.log.since(2)[0][1])
     for t in update.values():
         assert torch.unique(t.abs()).numel() <= 2
 

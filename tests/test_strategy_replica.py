@@ -181,22 +181,22 @@ def _resync_costs(missed: tuple[int, ...]) -> tuple[int, list[tuple[int, str, in
     strategy.start(
         grid=InlineGrid(make_client_app(cfg), 2), initial_arrays=ArrayRecord(), num_rounds=rounds
     )
-    current = strategy.shadow.version
+    current = strategy.server.shadow.version
     snapshot_bytes = content_nbytes(
         build_train_content(
-            TrainInstruction(rounds + 1, current, [], strategy.shadow.snapshot(), current)
+            TrainInstruction(rounds + 1, current, [], strategy.server.shadow.snapshot(), current)
         )
     )
     rows: list[tuple[int, str, int, int | None]] = []
     for k in missed:
-        plan = plan_catch_up(current - k, current, strategy.log)
+        plan = plan_catch_up(current - k, current, strategy.server.log)
         replay = None
         if plan.kind == "log":
             replay = content_nbytes(
                 build_train_content(TrainInstruction(rounds + 1, current, plan.updates))
             )
         rows.append((k, plan.kind, snapshot_bytes, replay))
-    return len(strategy.log.since(current - 1)[0][1]), rows
+    return len(strategy.server.log.since(current - 1)[0][1]), rows
 
 
 def test_resync_cost_replay_vs_snapshot_table() -> None:

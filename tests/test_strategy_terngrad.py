@@ -61,15 +61,15 @@ def _round_of(message: Message) -> int:
 def test_every_client_replica_equals_the_shadow_and_no_weights_travel() -> None:
     cfg = AppConfig(num_server_rounds=4)
     strategy, grid = _run(cfg, nodes=5, rounds=4)
-    assert [r.replicas_equal for r in strategy.reports] == [True] * 4
-    assert all(len(r.accepted) == 5 and not r.dropped for r in strategy.reports)
-    assert strategy.shadow.version == 4
+    assert [r.replicas_equal for r in strategy.server.reports] == [True] * 4
+    assert all(len(r.accepted) == 5 and not r.dropped for r in strategy.server.reports)
+    assert strategy.server.shadow.version == 4
     fps = _client_fingerprints(grid, cfg)
     assert len(fps) == 5
     # Clients hold version 3 (round 4's aggregate goes out with round 5's message).
     assert {v for v, _ in fps.values()} == {3}
-    assert {fp for _, fp in fps.values()} == {strategy.fingerprints[3]}
-    assert strategy.fingerprints[3] != strategy.fingerprints[0]
+    assert {fp for _, fp in fps.values()} == {strategy.server.fingerprints[3]}
+    assert strategy.server.fingerprints[3] != strategy.server.fingerprints[0]
     # One message per client per round, never a snapshot, one update from round 2 on.
     assert len(grid.sent) == 20
     for m in grid.sent:
@@ -122,7 +122,7 @@ def test_bad_replies_are_dropped_with_reasons_and_poison_nothing() -> None:
     kinds = ["error", "missing-update", "corrupt", "wrong-shape", "nan", "fingerprint", "version"]
     faults = {1000 + i: kind for i, kind in enumerate(kinds)}
     strategy, grid = _run(cfg, nodes=9, rounds=4, tamper=_fault_injector(faults, at_round=2))
-    r1, r2, r3, r4 = strategy.reports
+    r1, r2, r3, r4 = strategy.server.reports
     assert len(r1.accepted) == 9 and r1.replicas_equal
     assert r2.accepted == [1007, 1008]
     reasons = {faults[n]: why for n, why in r2.dropped.items()}
@@ -141,7 +141,7 @@ def test_bad_replies_are_dropped_with_reasons_and_poison_nothing() -> None:
     assert len(r3.accepted) == 9 and r3.replicas_equal, r3.dropped
     assert len(r4.accepted) == 9 and r4.replicas_equal
     fps = _client_fingerprints(grid, cfg)
-    assert {fp for _, fp in fps.values()} == {strategy.fingerprints[3]}
+    assert {fp for _, fp in fps.values()} == {strategy.server.fingerprints[3]}
     # The node whose fingerprint looked wrong and the one claiming a version ahead of
     # the server were resynced with a snapshot in round 3; the others caught up by log.
     snap = {
@@ -168,7 +168,7 @@ def test_round_two_aggregate_is_the_mean_of_the_accepted_replies_only() -> None:
 
     good = [decode_update(bytes(seen[n].content["update"]["payload"].data)) for n in (1001, 1002)]  # type: ignore[union-attr]
     expected = {k: (good[0][k] + good[1][k]) / 2 for k in good[0]}
-    broadcast = decode_broadcast(strategy.log.since(1)[0][1])
+    broadcast = decode_broadcast(strategy.server.log.since(1)[0][1])
     for k in expected:
         torch.testing.assert_close(broadcast[k], expected[k], rtol=0, atol=0)
 
@@ -176,8 +176,8 @@ def test_round_two_aggregate_is_the_mean_of_the_accepted_replies_only() -> None:
 def test_sampled_clients_catch_up_by_log_or_snapshot() -> None:
     cfg = AppConfig(num_server_rounds=10, fraction_train=0.34, update_log_size=2, seed=3)
     strategy, grid = _run(cfg, nodes=6, rounds=10)
-    assert all(len(r.accepted) == 2 and not r.dropped for r in strategy.reports)
-    assert all(r.replicas_equal for r in strategy.reports)
+    assert all(len(r.accepted) == 2 and not r.dropped for r in strategy.server.reports)
+    assert all(r.replicas_equal for r in strategy.server.reports)
     kinds = set()
     for m in grid.sent:
         ups = m.content.array_records.get("updates")
@@ -187,7 +187,7 @@ def test_sampled_clients_catch_up_by_log_or_snapshot() -> None:
             kinds.add("multi-update log")
     assert kinds == {"snapshot", "multi-update log"}
     for version, fp in _client_fingerprints(grid, cfg).values():
-        assert fp == strategy.fingerprints[version]
+        assert fp == strategy.server.fingerprints[version]
 
 
 def test_client_that_lost_its_state_resyncs_with_a_snapshot() -> None:
@@ -198,7 +198,7 @@ def test_client_that_lost_its_state_resyncs_with_a_snapshot() -> None:
             context.state = RecordDict()
 
     strategy, grid = _run(cfg, nodes=3, rounds=5, before=wipe)
-    r3, r4, r5 = strategy.reports[2:]
+    r3, r4, r5 = strategy.server.reports[2:]
     assert "resync from version -1" in r3.dropped[1001]
     assert 1001 in r4.accepted and r4.replicas_equal and r5.replicas_equal
     snap = [m for m in grid.sent if "snapshot" in m.content.array_records]
@@ -214,7 +214,7 @@ def test_terngrad_trains_and_gradient_average_sends_15x_more_bytes() -> None:
         strategy.start(grid=grid, initial_arrays=ArrayRecord(), num_rounds=20)
         assert isinstance(strategy, TernGrad)
         model = cfg.model_factory()()
-        model.load_state_dict(strategy.shadow.model.state_dict())
+        model.load_state_dict(strategy.server.shadow.model.state_dict())
         from fedddl.data import as_tensors, load_dataset
         from fedddl.training import evaluate
 
@@ -229,10 +229,12 @@ def test_terngrad_trains_and_gradient_average_sends_15x_more_bytes() -> None:
 def test_shared_scale_sum_downlink_after_the_first_round() -> None:
     cfg = AppConfig(num_server_rounds=4, downlink="shared-scale-sum", fp32_logits=False)
     strategy, grid = _run(cfg, nodes=4, rounds=4)
-    assert [r.downlink_format for r in strategy.reports] == ["encoded"] + ["shared-scale-sum"] * 3
-    assert all(r.replicas_equal for r in strategy.reports)
-    assert {fp for _, fp in _client_fingerprints(grid, cfg).values()} == {strategy.fingerprints[3]}
-    payload = strategy.log.since(3)[0][1]
+    reports = strategy.server.reports
+    assert [r.downlink_format for r in reports] == ["encoded"] + ["shared-scale-sum"] * 3
+    assert all(r.replicas_equal for r in reports)
+    clients = _client_fingerprints(grid, cfg)
+    assert {fp for _, fp in clients.values()} == {strategy.server.fingerprints[3]}
+    payload = strategy.server.log.since(3)[0][1]
     assert payload[:1] == b"S"
 
 
@@ -252,14 +254,15 @@ def test_every_downlink_with_batchnorm_statistics_and_fp32_logits(
         model="my_task:small_bn_cnn",
     )  # fmt: skip
     strategy, grid = _run(cfg, nodes=3, rounds=4)
-    assert not any(r.skipped for r in strategy.reports), [r.skip_reason for r in strategy.reports]
-    assert strategy.shadow.version == 4
+    reports = strategy.server.reports
+    assert not any(r.skipped for r in reports), [r.skip_reason for r in reports]
+    assert strategy.server.shadow.version == 4
     expected = "shared-scale-sum" if downlink == "shared-scale-sum" else "encoded"
-    assert [r.downlink_format for r in strategy.reports][1:] == [expected] * 3
-    assert all(r.replicas_equal for r in strategy.reports)
+    assert [r.downlink_format for r in strategy.server.reports][1:] == [expected] * 3
+    assert all(r.replicas_equal for r in strategy.server.reports)
     clients = _client_fingerprints(grid, cfg).values()
-    assert set(clients) == {(3, strategy.fingerprints[3])}  # they apply update 4 next round
-    update, statistics = decode_broadcast_parts(strategy.log.since(3)[0][1])
+    assert set(clients) == {(3, strategy.server.fingerprints[3])}  # they apply update 4 next round
+    update, statistics = decode_broadcast_parts(strategy.server.log.since(3)[0][1])
     assert "8.weight" in update and statistics  # fp32 logits and pooled statistics travel
 
 

@@ -15,7 +15,12 @@ import torch
 
 from fedddl.app_config import AppConfig
 from fedddl.compression import OpenedMessage, decode_update, encode_update, get_compressor
-from fedddl.compression.codecs.downlink import decode_broadcast
+from fedddl.compression.codecs.downlink import (
+    TAG_BUNDLE,
+    TAG_ENCODED,
+    decode_broadcast,
+    decode_broadcast_parts,
+)
 from fedddl.compression.codecs.wire import read_header
 from fedddl.data import as_tensors, load_dataset
 from fedddl.partition import stratified_shards
@@ -211,6 +216,29 @@ def test_shared_scale_sum_downlink_is_exact_after_the_first_round() -> None:
     applied = decode_broadcast(cluster.server.log.since(1)[0][1])
     for name, mean in seen[0].items():
         torch.testing.assert_close(applied[name], mean, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("bare", [False, True])
+def test_pooled_statistics_travel_in_the_one_sealed_downlink(bare: bool) -> None:
+    """The default downlink seals the BatchNorm statistics into its bundle once; an override
+    that returns a bare gradient gets them added; both replicas stay equal."""
+    cluster = Cluster(arch="resnet8", learning_rate=0.05)
+    if bare:
+
+        def bare_gradient(server_round, aggregate):  # type: ignore[no-untyped-def]
+            fp32 = get_compressor("identity")
+            return TAG_ENCODED + encode_update(aggregate.gradient, fp32), "own"
+
+        cluster.server.encode_downlink = bare_gradient  # type: ignore[method-assign]
+    cluster.step()
+    payload = cluster.server.log.since(0)[0][1]
+    update, statistics = decode_broadcast_parts(payload)
+    assert payload[:1] == TAG_BUNDLE and statistics and update
+    assert cluster.server.reports[0].downlink_format == ("own" if bare else "encoded")
+    cluster.replies()
+    for state in cluster.states.values():
+        assert state.replica is not None
+        assert state.replica.fingerprint() == cluster.server.shadow.fingerprint()
 
 
 def test_running_mean_and_code_sums_match_a_reference() -> None:

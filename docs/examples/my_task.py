@@ -8,7 +8,7 @@ your package) and name its functions in the run config::
 
 ``model``: ``factory(input_shape, num_classes) -> torch.nn.Module``. fedddl calls it under
 a seeded RNG, so the server and every client build identical weights. BatchNorm layers
-are fine: their statistics travel with the gradients (see the README).
+are fine: their statistics travel with the gradients (see docs/training.md).
 
 ``dataset``: ``loader(split, root) -> (images N×C×H×W float32, labels N int64)`` for
 ``split`` ``"train"`` and ``"test"``; it must return the same data wherever it runs.

@@ -82,8 +82,9 @@ class Broadcast:
         return self._aggregator(contributions, code_scales)
 
     def encode(self, server_round: int, aggregate: Aggregate, compressor: str) -> tuple[bytes, str]:
-        """The broadcast bytes of ``aggregate`` and their format (``"shared-scale-sum"`` or
-        ``"encoded"``, with ``compressor`` and this part's error feedback)."""
+        """The broadcast bytes of ``aggregate``, its pooled statistics included, sealed once,
+        and their format (``"shared-scale-sum"`` or ``"encoded"``, with ``compressor`` and
+        this part's error feedback)."""
         if aggregate.code_sums is not None and self.shared_scales is not None:
             ternary = [n for n in self.param_names if n not in self.dense]
             scales = dict(zip(self.param_names, self.shared_scales.tolist(), strict=True))
@@ -92,14 +93,14 @@ class Broadcast:
             count = len(aggregate.contributors)
             exact = encode_shared_sum(sums, {n: scales[n] for n in ternary}, shapes, count)
             dense = {n: aggregate.gradient[n] for n in self.param_names if n in self.dense}
-            return encode_bundle(exact, dense), "shared-scale-sum"
+            return encode_bundle(exact, dense, aggregate.statistics), "shared-scale-sum"
         encoder = build_compressor(
             compressor,
             seed=derive_seed(self.seed, server_round, 1 << 40),
             clip_sigma=self.clip_sigma,
         )
         payload = encode_reencoded(aggregate.gradient, encoder, self.memory, dense=self.dense)
-        return payload, "encoded"
+        return encode_bundle(payload, statistics=aggregate.statistics), "encoded"
 
     def update_shared_scales(self, contributors: list[ClientReply], bound: ScaleBound) -> None:
         """The next round's shared scales: per tensor the largest reported local scale, at

@@ -24,4 +24,5 @@ class ServerHooks(Protocol):
         """Combine the admitted gradients (each in a buffer the next one overwrites)."""
 
     def encode_downlink(self, server_round: int, aggregate: Aggregate) -> tuple[bytes, str]:
-        """The broadcast bytes of the aggregate and their format."""
+        """The broadcast bytes of the aggregate, its pooled statistics included, and their
+        format."""

@@ -2,18 +2,16 @@
 
 A node that asks to resync, reports another version than it was told to reach or a
 fingerprint that differs from the shadow replica's needs more than the usual one-update
-message: a replay of several logged updates or a snapshot (about 30× a ternary update for
-the digits MLP). A client that does so every round (buggy, or an attacker: 68 bytes up buy
-39 kB down) would multiply the server's downlink. A reply the server cannot even parse
-(bad metrics, an error) leaves its version unknown and counts the same.
+message: a replay of several logged updates or a snapshot. A client that does so every
+round (buggy, or an attacker) would multiply the server's downlink. A reply the server
+cannot even parse (bad metrics, an error) leaves its version unknown and counts the same.
 
 :class:`ResyncLimiter` serves such a node's resyncs at most once every ``interval`` rounds;
 in between it gets the message every up-to-date node gets (the latest update), which is all
 an honest node at the previous version needs, and the server logs that it held the resync
 back. A node that needs a resync again without having sent one valid reply since the last
 one (it keeps failing, or lies) waits twice as long each time (at most 16 × ``interval``);
-its first valid reply resets the wait. With 30 rounds, a client that asks for a snapshot in
-every round gets 3 in 200 rounds instead of 200.
+its first valid reply resets the wait.
 
 Only resyncs the node caused are limited: a node that fell behind because the server did
 not sample it, a node the server has never heard from and every node after a restore are

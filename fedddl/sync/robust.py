@@ -12,7 +12,7 @@ each decoded into a buffer the next one overwrites) and the shared code scales o
     Coordinate-wise median of the decoded values (the mean of the two middle values for an
     even count, as ``numpy.median`` and Flower's ``FedMedian``). Tolerates fewer than half
     bad replies, but on ternary gradients most values of a coordinate are 0, so the median
-    is mostly 0 and learning is slow (measured in the README).
+    is mostly 0 and learning is slow (see ``docs/untrusted-clients.md``).
 ``"trimmed-mean"``
     Coordinate-wise mean after dropping the ``⌊β n⌋`` largest and smallest values
     (``β = trim-fraction``, as Flower's ``FedTrimmedAvg``).
@@ -23,12 +23,10 @@ each decoded into a buffer the next one overwrites) and the shared code scales o
     coordinate's vote by at most one, whatever its scale. Streams like the mean (an int32
     vote per value plus one scale per tensor and reply).
 
-Every aggregator pools the contributions' BatchNorm statistics like the mean does
-(:class:`fedddl.running_stats.StatisticsPool`; each reply's statistics were already clipped
-to the round's majority by the server). The median and the trimmed mean keep a float32 copy
-of every contribution (``n ×`` the model). Only the mean sums ternary codes for the
-``shared-scale-sum`` downlink; the others return no ``code_sums`` and the downlink
-re-encodes their aggregate.
+Every aggregator pools the BatchNorm statistics like the mean
+(:class:`fedddl.running_stats.StatisticsPool`). The median and the trimmed mean keep a
+float32 copy of every contribution (``n ×`` the model). Only the mean returns the
+``code_sums`` of the ``shared-scale-sum`` downlink; the others' aggregate is re-encoded.
 """
 
 from __future__ import annotations

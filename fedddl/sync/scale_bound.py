@@ -2,9 +2,8 @@
 
 A ternary entry decodes to ``scale × code`` with ``code`` in {-1, 0, +1}, so its scale
 bounds every value it can contribute. Honest clients of one round report similar scales
-(TernGrad's scale is ``max|g|`` after clipping at ``2.5 σ``; on digits, 10 clients, 200
-rounds, the largest scale of a tensor was at most 5.4 × the round's median); one client
-reporting ``1e6`` or ``1e30`` is not honest and would dominate a mean.
+(``docs/untrusted-clients.md``); one client reporting ``1e6`` or ``1e30`` is not honest and
+would dominate a mean.
 
 :class:`ScaleBound` reads the scales from the payload *headers*
 (:func:`fedddl.compression.codecs.wire.read_header`), before anything is decoded. Per tensor:

@@ -22,7 +22,7 @@ from torch import nn
 from fedddl.checkpoint import ServerCheckpoint
 from fedddl.compression import is_ternary
 from fedddl.compression import make_compressor as build_compressor
-from fedddl.compression.codecs.downlink import add_statistics
+from fedddl.compression.codecs.downlink import TAG_BUNDLE, add_statistics
 from fedddl.defenses import Defenses
 from fedddl.lr_decay import NO_DECAY, StepDecay
 from fedddl.replica import Replica, UpdateLog
@@ -117,8 +117,9 @@ class ReplicaServer:
         return self.broadcast.combine(contributions, self._code_scales())
 
     def encode_downlink(self, server_round: int, aggregate: Aggregate) -> tuple[bytes, str]:
-        """Override point: the broadcast bytes (they must decode with
-        :func:`~fedddl.compression.codecs.downlink.decode_broadcast`) and their format."""
+        """Override point: the broadcast bytes of :mod:`fedddl.compression.codecs.downlink`,
+        the pooled statistics included (a bare ``E``/``S`` gradient gets them added), and
+        their format."""
         return self.broadcast.encode(server_round, aggregate, self.compressor_for(server_round))
 
     # -------------------------------------------------------------- the parts' state
@@ -246,7 +247,9 @@ class ReplicaServer:
         saved = self.broadcast.memory.save()
         try:
             payload, report.downlink_format = self.hooks.encode_downlink(server_round, aggregate)
-            self.replica.apply(add_statistics(payload, aggregate.statistics))
+            if aggregate.statistics and payload[:1] != TAG_BUNDLE:  # an override's bare gradient
+                payload = add_statistics(payload, aggregate.statistics)
+            self.replica.apply(payload)
             if self.wants_shared_sum(server_round + 1):
                 self.broadcast.update_shared_scales(aggregate.contributors, self.scale_bound)
             else:

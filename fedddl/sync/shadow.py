@@ -18,8 +18,9 @@ from fedddl.checkpoint import ServerCheckpoint
 from fedddl.compression import ResidualMemory
 from fedddl.compression.codecs.downlink import decode_broadcast_parts
 from fedddl.replica import Replica, UpdateLog
-from fedddl.sync import checkpoints
 from fedddl.sync.checkpoints import Restored
+from fedddl.sync.checkpoints import capture as capture_checkpoint
+from fedddl.sync.checkpoints import load as load_checkpoint
 
 __all__ = ["ShadowReplica"]
 
@@ -83,7 +84,7 @@ class ShadowReplica:
     ) -> ServerCheckpoint:
         """The checkpoint after global round ``server_round``: replica, optimiser, version,
         log, the downlink state given and ``extra`` plain-typed state."""
-        return checkpoints.capture(
+        return capture_checkpoint(
             self.replica,
             self.log,
             memory,
@@ -97,7 +98,7 @@ class ShadowReplica:
     def load(self, ckpt: ServerCheckpoint, owner: str) -> Restored:
         """``ckpt`` checked against this replica, as state to :meth:`adopt` (nothing changes
         here; raises ``CheckpointError`` if it does not fit)."""
-        return checkpoints.load(ckpt, self.replica, self.log.capacity, owner, self.param_names)
+        return load_checkpoint(ckpt, self.replica, self.log.capacity, owner, self.param_names)
 
     def adopt(self, restored: Restored, ckpt: ServerCheckpoint) -> None:
         """Continue from ``restored`` (loaded from ``ckpt``): replica, log, torch's random
