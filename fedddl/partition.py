@@ -3,23 +3,19 @@
 Every function returns a list of sorted int64 index arrays that are disjoint and
 together cover ``range(len(labels))`` exactly once; the same seed gives the same shards.
 
-``StratifiedPartitioner`` (the same stratified split as a Flower Datasets
-``Partitioner``, for ``FederatedDataset(..., partitioners={"train": ...})``) is named here
-but lives in :mod:`fedddl.flower.stratified_partitioner`, imported on first use: it needs the
-optional ``flwr-datasets`` package, this module does not.
+The same stratified split as a Flower Datasets ``Partitioner`` is
+:class:`fedddl.flower.stratified_partitioner.StratifiedPartitioner` (Flower layer; needs the
+optional ``flwr-datasets``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
-
-if TYPE_CHECKING:  # at run time: module __getattr__ below (flwr-datasets is optional)
-    from fedddl.flower.stratified_partitioner import StratifiedPartitioner as StratifiedPartitioner
 
 __all__ = [
     "PARTITION_METHODS",
@@ -36,17 +32,13 @@ _FEATURE_CHUNK_ROWS = 8192
 
 
 def __getattr__(name: str) -> Any:
-    """Import ``StratifiedPartitioner`` on first use (it needs ``flwr-datasets``)."""
-    if name != "StratifiedPartitioner":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    try:
-        from fedddl.flower.stratified_partitioner import StratifiedPartitioner
-    except ImportError as err:
-        raise ImportError(
-            f"StratifiedPartitioner needs flwr-datasets ({err}); install it with "
-            "pip install 'fedddl[datasets]'"
-        ) from err
-    return StratifiedPartitioner
+    """Name the new home of ``StratifiedPartitioner`` (it moved to the Flower layer)."""
+    if name == "StratifiedPartitioner":
+        raise AttributeError(
+            "fedddl.partition.StratifiedPartitioner moved: import it from "
+            "fedddl.flower.stratified_partitioner (needs pip install 'fedddl[datasets]')"
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _check_labels(labels: ArrayLike) -> np.ndarray:

@@ -4,8 +4,8 @@
    ``fedddl/flower/``.
 2. ``clients/`` and ``strategies/`` never import each other.
 3. The Flower-free core (``fedddl/`` outside ``fedddl/flower/``) imports neither
-   ``strategies``, ``clients`` nor ``fedddl.flower``: the command-line entry points and
-   ``fedddl/partition.py`` are the named exceptions below.
+   ``strategies``, ``clients`` nor ``fedddl.flower``: the command-line entry points are
+   the named exception below.
 4. ``fedddl/flower/`` imports neither ``strategies`` nor ``clients``, except the
    simulation runner, an entry point that builds both apps.
 5. ``fedddl/compression`` is layered: ``backends`` <- ``algorithms`` <- ``codecs`` <- the
@@ -32,8 +32,6 @@ PACKAGES = ("fedddl", "strategies", "clients")
 #: Core modules allowed to reach the Flower layer.
 CORE_EXCEPTIONS = {
     "fedddl/commands": "command-line entry points",
-    "fedddl/partition.py": "names fedddl.flower's StratifiedPartitioner lazily (the documented"
-    " fedddl.partition.StratifiedPartitioner; flwr-datasets is imported on first use only)",
 }
 FLOWER_ENTRY_POINTS = {"fedddl/flower/simulation.py"}
 

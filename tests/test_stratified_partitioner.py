@@ -1,4 +1,4 @@
-"""``fedddl.partition.StratifiedPartitioner`` with Flower Datasets, offline."""
+"""``fedddl.flower.stratified_partitioner.StratifiedPartitioner`` with Flower Datasets, offline."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ pytest.importorskip("flwr_datasets")
 from datasets import Dataset
 from sklearn.datasets import load_digits
 
-from fedddl.partition import StratifiedPartitioner, stratified_shards
+from fedddl.flower.stratified_partitioner import StratifiedPartitioner
+from fedddl.partition import stratified_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,8 +118,8 @@ def test_works_inside_federated_dataset(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 def test_core_does_not_need_flwr_datasets(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``fedddl.partition`` does not import flwr-datasets; without it the class says how
-    to get it."""
+    """``fedddl.partition`` does not import flwr-datasets or the Flower layer; its old
+    ``StratifiedPartitioner`` name says where the class lives now."""
     import ast
     import importlib
 
@@ -130,5 +131,6 @@ def test_core_does_not_need_flwr_datasets(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.delitem(sys.modules, "fedddl.flower.stratified_partitioner")
     partition = importlib.import_module("fedddl.partition")
     assert partition.stratified_shards([0, 1, 0, 1], 2)
-    with pytest.raises(ImportError, match=r"pip install 'fedddl\[datasets\]'"):
+    moved = r"import it from fedddl\.flower\.stratified_partitioner"
+    with pytest.raises(AttributeError, match=moved):
         _ = partition.StratifiedPartitioner

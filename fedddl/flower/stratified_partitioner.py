@@ -7,7 +7,7 @@ proportions (per class, a partition's count is the floor or the ceiling of
 ``count / num_partitions``)::
 
     from flwr_datasets import FederatedDataset
-    from fedddl.partition import StratifiedPartitioner
+    from fedddl.flower.stratified_partitioner import StratifiedPartitioner
 
     fds = FederatedDataset(
         dataset="ylecun/mnist", partitioners={"train": StratifiedPartitioner(10)}
@@ -15,8 +15,7 @@ proportions (per class, a partition's count is the floor or the ceiling of
     partition = fds.load_partition(0)
 
 This module needs the optional ``flwr-datasets`` package (``pip install
-'fedddl[datasets]'``); :mod:`fedddl.partition` names the class lazily, so the rest of
-fedddl does not.
+'fedddl[datasets]'``); the rest of fedddl does not.
 """
 
 from __future__ import annotations
