@@ -13,6 +13,12 @@ from hypothesis import strategies as st
 from fedddl.compression import PayloadError
 from fedddl.compression.codecs import counts as codec
 from fedddl.compression.codecs.count_delta import MAX_DELTA, CountDelta, CountSegment
+from fedddl.compression.codecs.count_widths import (
+    WIDTHS,
+    narrowest_width,
+    pack_integers,
+    unpack_integers,
+)
 from fedddl.compression.codecs.counts import decode_counts, encode_counts, layout_digest
 from fedddl.compression.codecs.zstd_frame import compress_frame
 from fedddl.framing import seal
@@ -34,13 +40,24 @@ def _segment(
 
 
 def _delta() -> CountDelta:
-    """Three segments whose tensors need widths 1, 2, 4 and 0 (an all-zero tensor)."""
+    """Five segments whose tensors need every width: 0 (an all-zero tensor), 2 (ternary),
+    4, 8, 16 and 32 bits."""
     wide = _segment(True, 3_000_000, 2)
+    ternary = _segment(False, 1, 5)
+    ternary = CountSegment(
+        False, ternary.units, {n: d.clamp(-1, 1) for n, d in ternary.deltas.items()}
+    )
     zero = dict(wide.deltas, **{"layer.bias": torch.zeros(6, dtype=torch.int32)})
     return CountDelta(
         40,
         47,
-        (_segment(False, 3, 0), _segment(True, 2000, 1), CountSegment(True, wide.units, zero)),
+        (
+            ternary,
+            _segment(False, 3, 0),
+            _segment(False, 20, 3),
+            _segment(True, 2000, 1),
+            CountSegment(True, wide.units, zero),
+        ),
     )
 
 
@@ -78,7 +95,7 @@ def _message(
 
 
 def _head(
-    rebase: int = 0, units: tuple[int, ...] = (0, 0, 0), widths: tuple[int, ...] = (1, 1, 1)
+    rebase: int = 0, units: tuple[int, ...] = (0, 0, 0), widths: tuple[int, ...] = (8, 8, 8)
 ) -> bytes:
     return bytes([rebase]) + b"".join(
         struct.pack("<hB", u, w) for u, w in zip(units, widths, strict=True)
@@ -89,10 +106,10 @@ _NUMELS = (30, 6, 12)
 
 
 def _body(
-    rebase: int = 0, units: tuple[int, ...] = (0, 0, 0), widths: tuple[int, ...] = (1, 1, 1)
+    rebase: int = 0, units: tuple[int, ...] = (0, 0, 0), widths: tuple[int, ...] = (8, 8, 8)
 ) -> bytes:
     return _head(rebase, units, widths) + b"".join(
-        bytes(n * w) for n, w in zip(_NUMELS, widths, strict=True)
+        bytes(-(-n * w // 8)) for n, w in zip(_NUMELS, widths, strict=True)
     )
 
 
@@ -101,7 +118,8 @@ def test_a_round_trip_is_exact_for_every_width() -> None:
     data = encode_counts(delta)
     assert _equal(decode_counts(data, LAYOUT, LIMIT), delta)
     assert _equal(decode_counts(memoryview(bytearray(data)), LAYOUT, LIMIT), delta)
-    assert {codec._width(t) for s in delta.segments for t in s.deltas.values()} == {0, 1, 2, 4}
+    widths = {narrowest_width(t) for s in delta.segments for t in s.deltas.values()}
+    assert widths == set(WIDTHS)
 
 
 def test_an_empty_delta_and_a_well_formed_hand_made_message() -> None:
@@ -145,6 +163,17 @@ def test_the_encoder_refuses_what_the_decoder_would(delta: CountDelta, match: st
         encode_counts(delta, {"w": (2,)})
 
 
+def test_four_bit_values_round_trip_and_their_padding_is_checked() -> None:
+    values = torch.tensor([-8, 7, 0, -1, 3])
+    assert narrowest_width(values) == 4 and narrowest_width(torch.tensor([8])) == 8
+    packed = pack_integers(values, 4)
+    assert len(packed) == 3
+    unpacked = unpack_integers(memoryview(packed), 5, 4)
+    assert not isinstance(unpacked, str) and unpacked.tolist() == values.tolist()
+    bad = packed[:2] + bytes([packed[2] | 0x10])
+    assert unpack_integers(memoryview(bad), 5, 4) == "nonzero padding after the last 4-bit value"
+
+
 def _flip(data: bytes, index: int) -> bytes:
     return data[:index] + bytes([data[index] ^ 0x40]) + data[index + 1 :]
 
@@ -175,15 +204,17 @@ def _flip(data: bytes, index: int) -> bytes:
             "truncated|ends at",
         ),
         (lambda: _message(_body(rebase=2)), LAYOUT, "rebase flag 2"),
-        (lambda: _message(_head(widths=(3, 1, 1)) + bytes(90 + 6 + 12)), LAYOUT, "width 3"),
+        (lambda: _message(_head(widths=(3, 8, 8)) + bytes(12 + 6 + 12)), LAYOUT, "width 3 bits"),
         (lambda: _message(_body(units=(0, -127, 0))), LAYOUT, "unit -127"),
         (lambda: _message(_body(units=(104, 0, 0))), LAYOUT, "unit 104"),
         (lambda: _message(_body() + b"\0"), LAYOUT, "body holds"),
         (lambda: _message(_body(), segments=2), LAYOUT, "body holds 58 bytes, its heads need 68"),
         (lambda: _message(_head(widths=(0, 0, 0)), segments=2), LAYOUT, "too few for 2 heads"),
+        (lambda: _message(_head(widths=(2, 0, 0)) + b"\x03" + bytes(7)), LAYOUT, "invalid ternary"),
+        (lambda: _message(_head(widths=(2, 0, 0)) + bytes(7) + b"\x10"), LAYOUT, "padding"),
         (
             lambda: _message(
-                _head(widths=(4, 1, 1)) + struct.pack("<i", MAX_DELTA + 1) + bytes(116 + 18)
+                _head(widths=(32, 8, 8)) + struct.pack("<i", MAX_DELTA + 1) + bytes(116 + 18)
             ),
             LAYOUT,
             "beyond",
@@ -273,3 +304,12 @@ def test_any_delta_round_trips(segments: list[tuple[bool, int, list[int]]], star
             and a.units == b.units
             and torch.equal(a.deltas["w"], b.deltas["w"])
         )
+
+
+@_SETTINGS
+@given(st.lists(st.integers(-9, 9) | st.integers(-40_000, 40_000), max_size=23))
+def test_any_integers_pack_and_unpack_at_their_narrowest_width(values: list[int]) -> None:
+    tensor = torch.tensor(values, dtype=torch.int64)
+    bits = narrowest_width(tensor)
+    unpacked = unpack_integers(memoryview(pack_integers(tensor, bits)), len(values), bits)
+    assert not isinstance(unpacked, str) and unpacked.tolist() == values

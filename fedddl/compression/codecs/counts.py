@@ -14,11 +14,12 @@ Byte layout (little-endian)::
     26      ...   one magic-less zstd frame with its content size: the B-byte body
     end-4   4     u32 CRC-32 (zlib's) of every preceding byte
 
-    body:   S segment heads, each u8 rebase (0 or 1) then T x (i16 unit, u8 width),
-            then the deltas, segment by segment and tensor by tensor in layout order:
-            numel x width bytes of little-endian signed integers (width 0: all zero).
+    body:   S segment heads, each u8 rebase (0 or 1) then T x (i16 unit, u8 bits),
+            then the deltas, segment by segment and tensor by tensor in layout order,
+            each ceil(numel x bits / 8) bytes (:mod:`.count_widths`; 0 bits: all zero).
 
-Each tensor's width is the narrowest of 1, 2, 4 bytes that holds its deltas. Decoding is
+Each tensor's width is the narrowest of 0, 2, 4, 8, 16, 32 bits a value that holds its
+deltas (packing small ranges densely helps zstd: its literals cost at least a bit). Decoding is
 all or nothing and bounded before anything is decompressed: the body may be at most
 ``max_bytes`` and at most what ``S`` segments of the expected layout can need.
 """
@@ -38,6 +39,13 @@ from fedddl.compression.codecs.count_delta import (
     CountSegment,
     Layout,
 )
+from fedddl.compression.codecs.count_widths import (
+    WIDTHS,
+    narrowest_width,
+    pack_integers,
+    packed_bytes,
+    unpack_integers,
+)
 from fedddl.compression.codecs.errors import PayloadError
 from fedddl.compression.codecs.zstd_frame import compress_frame, open_frame
 from fedddl.framing import CRC, BytesLike, check_magic, crc32, seal, unseal
@@ -49,7 +57,6 @@ VERSION = 1
 _HEAD = struct.Struct("<4sBBIHHIII")
 _SEGMENT = struct.Struct("<B")
 _TENSOR = struct.Struct("<hB")
-_WIDTHS = {0: None, 1: np.dtype("<i1"), 2: np.dtype("<i2"), 4: np.dtype("<i4")}
 _WHAT = "count delta"
 _U32 = 1 << 32
 
@@ -60,19 +67,6 @@ def layout_digest(layout: Layout) -> int:
     for name, shape in layout.items():
         parts += name.encode() + b"\0" + struct.pack(f"<I{len(shape)}I", len(shape), *shape)
     return crc32(bytes(parts))
-
-
-def _width(delta: torch.Tensor) -> int:
-    if delta.numel() == 0:
-        return 0
-    low, high = int(delta.min()), int(delta.max())
-    if low == 0 and high == 0:
-        return 0
-    for width in (1, 2):
-        bound = 1 << (8 * width - 1)
-        if -bound <= low and high < bound:
-            return width
-    return 4
 
 
 def _check_segment(segment: CountSegment, layout: Layout) -> None:
@@ -110,11 +104,9 @@ def encode_counts(delta: CountDelta, layout: Layout | None = None) -> bytes:
         heads += _SEGMENT.pack(int(segment.rebase))
         for name in layout:
             values = segment.deltas[name].detach().to(device="cpu", dtype=torch.int64)
-            width = _width(values)
-            heads += _TENSOR.pack(segment.units[name], width)
-            dtype = _WIDTHS[width]
-            if dtype is not None:
-                data.append(values.reshape(-1).numpy().astype(dtype).tobytes())
+            bits = narrowest_width(values)
+            heads += _TENSOR.pack(segment.units[name], bits)
+            data.append(pack_integers(values, bits))
     body = bytes(heads) + b"".join(data)
     head = _HEAD.pack(
         MAGIC, VERSION, 0, layout_digest(layout), len(layout), len(delta.segments),
@@ -187,15 +179,15 @@ def _segments(
         for name, numel in zip(layout, numels, strict=True):
             unit, width = _TENSOR.unpack_from(body, position)
             position += _TENSOR.size
-            if width not in _WIDTHS:
-                raise PayloadError(f"{_WHAT}: segment {index} {name!r} has width {width}")
+            if width not in WIDTHS:
+                raise PayloadError(f"{_WHAT}: segment {index} {name!r} has width {width} bits")
             if not MIN_EXPONENT <= unit <= MAX_EXPONENT:
                 raise PayloadError(
                     f"{_WHAT}: segment {index} {name!r} has unit {unit}, outside "
                     f"[{MIN_EXPONENT}, {MAX_EXPONENT}]"
                 )
             entries.append((unit, width))
-            needed += numel * width
+            needed += packed_bytes(numel, width)
         heads.append((bool(rebase), entries))
     if position + needed != len(body):
         raise PayloadError(
@@ -208,17 +200,16 @@ def _segments(
         for (name, shape), numel, (unit, width) in zip(
             layout.items(), numels, entries, strict=True
         ):
-            dtype = _WIDTHS[width]
-            if dtype is None:
-                values = np.zeros(numel, dtype=np.int32)
-            else:
-                values = np.frombuffer(body, dtype=dtype, count=numel, offset=position)
-                position += numel * width
-                if numel and int(np.abs(values.astype(np.int64)).max()) > MAX_DELTA:
-                    raise PayloadError(
-                        f"{_WHAT}: segment {index} {name!r} has a delta beyond {MAX_DELTA}"
-                    )
+            size = packed_bytes(numel, width)
+            values = unpack_integers(body[position : position + size], numel, width)
+            position += size
+            if isinstance(values, str):
+                raise PayloadError(f"{_WHAT}: segment {index} {name!r}: {values}")
+            if numel and int(np.abs(values.astype(np.int64)).max()) > MAX_DELTA:
+                raise PayloadError(
+                    f"{_WHAT}: segment {index} {name!r} has a delta beyond {MAX_DELTA}"
+                )
             units[name] = unit
-            deltas[name] = torch.from_numpy(values.astype(np.int32)).reshape(shape)
+            deltas[name] = torch.from_numpy(values).reshape(shape)
         segments.append(CountSegment(rebase=rebase, units=units, deltas=deltas))
     return tuple(segments)
