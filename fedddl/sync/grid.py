@@ -141,6 +141,33 @@ class GridState:
         }
         return other
 
+    def anchors(self) -> dict[str, torch.Tensor]:
+        """Name -> the float32 anchor (new tensors)."""
+        return {name: t.anchor.clone() for name, t in self.tensors.items()}
+
+    def snapshot_segment(self) -> CountSegment:
+        """The counts as one segment from zero, for :meth:`from_snapshot` (a tensor with no
+        unit carries zeros at ``MAX_EXPONENT``)."""
+        units = {n: MAX_EXPONENT if t.unit is None else t.unit for n, t in self.tensors.items()}
+        counts = {name: t.counts.clone() for name, t in self.tensors.items()}
+        return CountSegment(rebase=False, units=units, deltas=counts)
+
+    @classmethod
+    def from_snapshot(cls, anchors: Mapping[str, torch.Tensor], segment: CountSegment) -> GridState:
+        """The state whose :meth:`anchors` and :meth:`snapshot_segment` these are.
+
+        Raises
+        ------
+        GridError
+            As :meth:`apply`.
+        """
+        state = cls(anchors)
+        state.apply(segment)
+        for t in state.tensors.values():
+            if t.unit == MAX_EXPONENT and not bool(t.counts.any()):
+                t.unit = None  # the same state: zero counts at any unit behave alike
+        return state
+
     def rebase(self) -> None:
         """``anchor = value``, ``counts = 0``, no unit, for every tensor."""
         for t in self.tensors.values():
