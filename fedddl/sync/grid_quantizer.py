@@ -2,7 +2,8 @@
 
 Per tensor and round, :meth:`GridQuantizer.quantize` keeps last round's exponent ``e``
 while ``max|x| / 2**e`` lies in ``[L/4, L]`` for the desired step ``x``, and otherwise takes
-the smallest ``e`` with ``max|x| <= L * 2**e``. It then rounds ``y = (x + r) / 2**e``
+the smallest ``e`` with ``max|x| <= L * 2**e`` (within ``[MIN_EXPONENT, MAX_EXPONENT]``; an
+all-zero step keeps the last exponent, 0 at first). It then rounds ``y = (x + r) / 2**e``
 stochastically to the integers ``c`` (``E[c] = y``), with ``r`` the error-feedback
 residual, and keeps ``r' = x + r - c * 2**e``. The exponent follows ``x``, not ``x + r``:
 the residual of stochastic rounding reaches nearly ``2**e``, so an exponent fitted to
