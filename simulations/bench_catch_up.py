@@ -13,7 +13,8 @@ encodes for each ``K`` in ``--behind``:
 * ``base3 x K``: the ``K`` rounds' steps as ``K`` separate ternary messages
   (``encode_update`` with ``TernaryCompressor(codec="base3")``), and ``entropy x K`` the same
   with ``TernaryEntropyCompressor`` (zstd);
-* ``fp32``: the model as one fp32 message (``IdentityCompressor``).
+* ``fp32``: the model as one fp32 message (``IdentityCompressor``), and the server's counts
+  since the last rebase as one count delta (all a client needs that holds the anchor).
 
 It prints the mean bytes of each, bits a value, and ratios, and the test accuracy of the
 grid-trained model next to the same stream applied in fp32. A replica that applies the
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         decode_update,
         encode_update,
     )
+    from fedddl.compression.codecs.count_delta import CountDelta
     from fedddl.compression.codecs.counts import decode_counts, encode_counts
     from fedddl.data import as_tensors, get_labels, load_dataset
     from fedddl.partition import stratified_shards
@@ -90,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         key: {k: [] for k in behind} for key in ("grid", "entropy of counts", *baselines)
     }
     snapshot: list[int] = []
+    since_rebase: list[int] = []
     rebases = 0
 
     def gradient(model: torch.nn.Module, client: int, round_: int) -> dict[str, torch.Tensor]:
@@ -140,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         if t < args.from_round or (t - args.from_round) % 10:
             continue
         snapshot.append(len(encode_update(state.values(), IdentityCompressor())))
+        since_rebase.append(len(encode_counts(CountDelta(0, t, (state.snapshot_segment(),)))))
         for k in behind:
             delta = log.catch_up(t - k)
             assert delta is not None
@@ -167,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
         f"({len(snapshot)} points); {rebases} rebases"
     )
     print(f"fp32 snapshot: {fp32:,.0f} bytes ({fp32 * 8 / numel:.2f} bits/value)")
+    counts = float(np.mean(since_rebase))
+    print(
+        f"counts since the last rebase (a client that holds the anchor, e.g. the seeded initial "
+        f"model when nothing rebased): {counts:,.0f} bytes ({counts / fp32:.3f} x fp32)"
+    )
     print(
         f"{'K':>3} | {'grid B':>7} {'bits/val':>8} {'H bits':>6} {'x fp32':>6} | "
         f"{'base3 x K':>9} {'x fp32':>6} | {'entropy x K':>11} {'x fp32':>6} | "
