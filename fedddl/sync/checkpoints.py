@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from fedddl.checkpoint import CheckpointError, ServerCheckpoint
-from fedddl.compression import PayloadError, ResidualMemory
+from fedddl.compression import PayloadError, ResidualMemory, limits_for
 from fedddl.compression.codecs.downlink import decode_broadcast
 from fedddl.replica import Replica, ReplicaError, UpdateLog
 from fedddl.sync.scale_bound import ScaleBound
@@ -116,9 +116,10 @@ def load(
             f"checkpoint shared_scales must be {len(names)} finite non-negative values, "
             f"got shape {tuple(scales.shape)}"
         )
+    limits = limits_for(shadow.model.state_dict())
     for version, payload in entries:
         try:
-            shadow.check_update(decode_broadcast(payload))
+            shadow.check_update(decode_broadcast(payload, **limits))
         except (PayloadError, ReplicaError) as err:
             raise CheckpointError(f"checkpoint update log: version {version}: {err}") from err
     log = UpdateLog(log_capacity)

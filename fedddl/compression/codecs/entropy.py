@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fedddl.compression.codecs.errors import PayloadError
+from fedddl.compression.codecs.limits import DEFAULT_MAX_BYTES
 from fedddl.framing import CRC, BytesLike, check_crc, check_magic, crc32, crc32_of
 
 __all__ = ["MAGIC", "MAX_EXPANSION", "VERSION", "open_entropy_coded", "seal_entropy_coded"]
@@ -113,14 +114,15 @@ def _check_frame_extent(frame: memoryview) -> None:
         )
 
 
-def open_entropy_coded(view: memoryview) -> memoryview:
-    """Check an entropy-coded message and return its body.
+def open_entropy_coded(view: memoryview, max_bytes: int = DEFAULT_MAX_BYTES) -> memoryview:
+    """Check an entropy-coded message and return its body (of at most ``max_bytes``).
 
     Raises
     ------
     PayloadError
         Truncated, wrong magic or version, CRC mismatch, a malformed frame, or a
-        declared size beyond :data:`MAX_EXPANSION` times the message size.
+        declared size beyond :data:`MAX_EXPANSION` times the message size or beyond
+        ``max_bytes`` (refused before decompressing).
     """
     if len(view) < _HEAD.size + 1 + CRC.size:
         raise PayloadError(f"{_WHAT}: truncated: {len(view)} bytes")
@@ -144,6 +146,11 @@ def open_entropy_coded(view: memoryview) -> memoryview:
         raise PayloadError(
             f"{_WHAT}: the frame declares {size} bytes of content, more than "
             f"{MAX_EXPANSION} x the {len(view)}-byte message (or none)"
+        )
+    if size > max_bytes:
+        raise PayloadError(
+            f"{_WHAT}: the frame declares {size} bytes of content, more than the limit "
+            f"max_bytes={max_bytes} (pass a larger max_bytes= to accept more)"
         )
     _check_frame_extent(frame)
     try:

@@ -12,6 +12,7 @@ from fedddl.compression.backends.parallel import crc32_threaded
 from fedddl.compression.codecs.entropy import MAGIC as ENTROPY_MAGIC
 from fedddl.compression.codecs.entropy import open_entropy_coded
 from fedddl.compression.codecs.errors import PayloadError
+from fedddl.compression.codecs.limits import check_limit
 from fedddl.compression.codecs.wire.layout import (
     COUNT,
     DTYPE_OF_CODE,
@@ -101,10 +102,11 @@ def _check_count(count: int, body_size: int) -> None:
 
 
 def _parse_entries(
-    view: memoryview, count: int, start: int, end: int
+    view: memoryview, count: int, start: int, end: int, max_values: int
 ) -> tuple[list[Entry], int]:
     reader = _Reader(view, start, end)
     entries = []
+    values = 0
     seen: set[str] = set()
     for index in range(count):
         (name_length,) = reader.unpack(NAME_LENGTH, "name length of entry {}", index)
@@ -129,6 +131,8 @@ def _parse_entries(
             raise PayloadError(f"tensor {name!r}: a dimension of {shape} exceeds {MAX_DIM}")
         if math.prod(dim for dim in shape if dim) > MAX_SPAN:  # torch's strides fit int64
             raise PayloadError(f"tensor {name!r}: shape {shape} spans more than 2**62 values")
+        values += math.prod(shape)
+        check_limit(values, max_values, f"values (by tensor {name!r})", "max_values")
         scale = 0.0
         if kind != KIND_DENSE:
             (raw_scale,) = reader.unpack(SCALE, "scale of {!r}", name)
@@ -150,7 +154,7 @@ class Layout:
     start: int
     sizes: list[int]
 
-def as_view(data: bytes | bytearray | memoryview, max_bytes: int | None = None) -> memoryview:
+def as_view(data: bytes | bytearray | memoryview, max_bytes: int) -> memoryview:
     """``data`` as a flat byte view, refused when longer than ``max_bytes``."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise PayloadError(f"expected bytes, got {type(data).__name__}")
@@ -158,18 +162,25 @@ def as_view(data: bytes | bytearray | memoryview, max_bytes: int | None = None) 
         view = memoryview(data).cast("B")
     except TypeError as error:
         raise PayloadError(f"data is not a flat byte buffer: {error}") from None
-    if max_bytes is not None and len(view) > max_bytes:
-        raise PayloadError(f"message of {len(view)} bytes exceeds the limit of {max_bytes}")
+    if len(view) > max_bytes:
+        raise PayloadError(
+            f"message of {len(view)} bytes exceeds the limit of {max_bytes} "
+            f"(max_bytes; pass a larger max_bytes= to accept more)"
+        )
     return view
 
 
 def validated_entries(
-    view: memoryview, max_tensors: int | None = None
+    view: memoryview, max_tensors: int, max_values: int, max_bytes: int
 ) -> tuple[memoryview, list[Entry], int, list[int]]:
     """The body holding the entries, the checked entries, where their data starts in the
-    body, and each entry's data size (plain ``FDTQ`` or entropy-coded ``FDTE`` messages)."""
+    body, and each entry's data size (plain ``FDTQ`` or entropy-coded ``FDTE`` messages).
+
+    Refuses, before allocating anything for the entries, a message declaring more than
+    ``max_tensors`` tensors or ``max_values`` values, or an entropy-coded body of more than
+    ``max_bytes`` bytes (before decompressing it)."""
     if bytes(view[: len(ENTROPY_MAGIC)]) == ENTROPY_MAGIC:
-        body = open_entropy_coded(view)  # at most MAX_EXPANSION x the message size
+        body = open_entropy_coded(view, max_bytes)  # also <= MAX_EXPANSION x the message
         if len(body) < COUNT.size:
             raise PayloadError(f"entropy-coded body of {len(body)} bytes has no tensor count")
         (count,) = COUNT.unpack_from(body)
@@ -178,10 +189,9 @@ def validated_entries(
         body = view
         count = _check_prefix(view)
         start, end = PREFIX.size, len(view) - CRC.size
-    if max_tensors is not None and count > max_tensors:
-        raise PayloadError(f"message declares {count} tensors, at most {max_tensors} expected")
     _check_count(count, end - start)
-    entries, data_start = _parse_entries(body, count, start, end)
+    check_limit(count, max_tensors, "tensors", "max_tensors")
+    entries, data_start = _parse_entries(body, count, start, end, max_values)
     sizes = [data_size(dtype, kind, math.prod(shape)) for _, dtype, kind, shape, _ in entries]
     available = end - data_start
     if sum(sizes) != available:
