@@ -14,8 +14,11 @@ first) and runs only the remaining ``num-server-rounds - checkpoint.round`` roun
 numbering them globally in the results. When the directory holds checkpoint files but
 none is readable the run stops with an error, unless ``checkpoint-allow-fresh-start``.
 With ``checkpoint-key-file`` every checkpoint is written and read with an HMAC-SHA256
-tag under that key. With ``checkpoint-every = N`` a checkpoint is written after every
-global round divisible by N, and only the newest ``checkpoint-keep`` are kept.
+tag under that key, and the directory's high-water mark (:mod:`fedddl.checkpoint_mark`,
+rewritten at the start and after every save) makes a rollback to an older round an
+error (a WARNING with ``checkpoint-allow-fresh-start``). With ``checkpoint-every = N`` a
+checkpoint is written after every global round divisible by N, and only the newest
+``checkpoint-keep`` are kept.
 
 Attack evaluation (``attack``, ``num-attackers``): before the first round the ServerApp
 holds a roll call (:mod:`strategies.roll_call`) to learn which nodes hold the attacking
@@ -115,7 +118,7 @@ def run_server(
     strategy = build_strategy(cfg, model_fn)
     replica = replica_strategy(strategy)
     key = _checkpoint_key(cfg)
-    resumed = _resume(replica, strategy, cfg, key)
+    resumed, run_id = _resume(replica, strategy, cfg, key)
     offset = 0 if resumed is None else int(resumed["round"])
     x_test, y_test = as_tensors(load_dataset(cfg.dataset, cfg.data_root or None, split="test"))
     x_test, y_test = evaluation_subset(x_test, y_test, cfg.eval_samples, cfg.seed)
@@ -124,7 +127,7 @@ def run_server(
     counting = CountingGrid(polled)
     saver = None
     if replica is not None and cfg.checkpoint_every > 0:
-        saver = _checkpoint_saver(replica, cfg, key)
+        saver = _checkpoint_saver(replica, cfg, key, run_id, offset)
     recorder = RoundRecorder(
         model_fn,
         x_test,
@@ -212,9 +215,12 @@ def _checkpoint_key(cfg: AppConfig) -> bytes | None:
 
 def _resume(
     replica: ReplicaStrategy | None, strategy: Strategy, cfg: AppConfig, key: bytes | None
-) -> dict[str, Any] | None:
-    """Restore ``replica`` from the newest checkpoint in ``cfg.checkpoint_dir``, if any."""
+) -> tuple[dict[str, Any] | None, str]:
+    """Restore ``replica`` from the newest checkpoint in ``cfg.checkpoint_dir``, if any;
+    return what was resumed (None: nothing) and the run's identity (the checkpoint's, or a
+    new one)."""
     from fedddl.checkpoint import load_latest_checkpoint
+    from fedddl.checkpoint_mark import new_run_id
 
     if cfg.checkpoint_every > 0 and replica is None:
         raise ValueError(
@@ -222,13 +228,16 @@ def _resume(
             f"checkpoints), not {type(strategy).__name__}"
         )
     if not cfg.checkpoint_dir:
-        return None
+        return None, new_run_id()
     found = load_latest_checkpoint(
-        cfg.checkpoint_dir, key=key, allow_fresh_start=cfg.checkpoint_allow_fresh_start
+        cfg.checkpoint_dir,
+        key=key,
+        allow_fresh_start=cfg.checkpoint_allow_fresh_start,
+        max_round=cfg.num_server_rounds,
     )
     if found is None:
         log(INFO, "fedddl: no checkpoint in %s, starting from round 0", cfg.checkpoint_dir)
-        return None
+        return None, new_run_id()
     path, ckpt = found
     if replica is None:
         raise ValueError(
@@ -238,25 +247,30 @@ def _resume(
     ckpt.check_config(cfg.to_run_config(), RESUME_CHECK_KEYS, AppConfig().to_run_config())
     replica.restore(ckpt)
     log(INFO, "fedddl: resumed from %s (round %d, version %d)", path, ckpt.round, ckpt.version)
-    return {"round": ckpt.round, "version": ckpt.version, "path": str(path)}
+    resumed = {"round": ckpt.round, "version": ckpt.version, "path": str(path)}
+    return resumed, ckpt.run_id or new_run_id()
 
 
 def _checkpoint_saver(
-    replica: ReplicaStrategy, cfg: AppConfig, key: bytes | None
+    replica: ReplicaStrategy, cfg: AppConfig, key: bytes | None, run_id: str, start: int
 ) -> Callable[[int], None]:
-    """Return the ``on_round`` hook saving a checkpoint every ``cfg.checkpoint_every`` rounds."""
+    """Return the ``on_round`` hook saving a checkpoint every ``cfg.checkpoint_every`` rounds
+    (with ``key``: the high-water mark is written now, at round ``start``, and after each)."""
     from fedddl.checkpoint import checkpoint_path, prune_checkpoints, save_checkpoint
+    from fedddl.checkpoint_mark import HighWaterMark, write_mark
 
     config = cfg.to_run_config()
+    if key is not None:
+        write_mark(cfg.checkpoint_dir, HighWaterMark(run_id, start), key)
 
     def save(global_round: int) -> None:
         if global_round % cfg.checkpoint_every:
             return
-        path = save_checkpoint(
-            replica.checkpoint(global_round, config),
-            checkpoint_path(cfg.checkpoint_dir, global_round),
-            key=key,
-        )
+        ckpt = replica.checkpoint(global_round, config)
+        ckpt.run_id = run_id
+        path = save_checkpoint(ckpt, checkpoint_path(cfg.checkpoint_dir, global_round), key=key)
+        if key is not None:
+            write_mark(cfg.checkpoint_dir, HighWaterMark(run_id, global_round), key)
         prune_checkpoints(cfg.checkpoint_dir, cfg.checkpoint_keep)
         log(INFO, "fedddl: checkpoint of round %d written to %s", global_round, path)
 
