@@ -164,7 +164,7 @@ def trained() -> Cluster:
             lambda p: p["strategy_state"].update(
                 scale_bound={"history": [{name: [3e38] for name in p["model_state"]}]}
             ),
-            r"scale-bound history .* outside \[0, 1e\+06\]",
+            r"scale-bound history .* bad scale: .* outside \[0, 1e\+06\]",
         ),
     ],
     ids=["weights x1000", "scale-bound history 3e38"],

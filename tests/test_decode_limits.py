@@ -17,6 +17,7 @@ from fedddl.compression import (
     DEFAULT_MAX_VALUES,
     IdentityCompressor,
     PayloadError,
+    PayloadLimitError,
     TernaryCompressor,
     TernaryEntropyCompressor,
     decode_update,
@@ -59,6 +60,28 @@ def _one_big_tensor(numel: int = 1 << 27) -> bytes:
     return body + struct.pack("<I", zlib.crc32(body))
 
 
+def _entropy_coded_big_tensor(numel: int = 1 << 27) -> bytes:
+    """A valid ``FDTE`` message of one 2-bit tensor of ``numel`` codes, within the 64x
+    expansion bound (random codes first, zeros after), built from its body."""
+    import numpy as np
+    import zstandard
+
+    entry = struct.pack("<H", 1) + b"w" + bytes([1, 1, 1]) + struct.pack("<Qf", numel, 1.0)
+    rng = np.random.default_rng(0)
+    trits = rng.integers(0, 3, size=(1 << 23, 4), dtype=np.uint8)  # 2 MiB of valid codes
+    noisy = (trits << np.array([0, 2, 4, 6], dtype=np.uint8)).sum(axis=1).astype(np.uint8)
+    body = struct.pack("<I", 1) + entry + noisy.tobytes() + bytes(numel // 4 - len(noisy))
+    params = zstandard.ZstdCompressionParameters.from_level(
+        1, format=zstandard.FORMAT_ZSTD1_MAGICLESS, write_content_size=True,
+        write_checksum=False, write_dict_id=False,
+    )
+    frame = zstandard.ZstdCompressor(compression_params=params).compress(body)
+    message = entropy.MAGIC + bytes([entropy.VERSION, 0]) + frame
+    message += struct.pack("<I", zlib.crc32(message))
+    assert len(body) <= entropy.MAX_EXPANSION * len(message)
+    return message
+
+
 @pytest.fixture(scope="module")
 def many() -> bytes:
     return _many_tensors()
@@ -74,13 +97,13 @@ def _refused_cheaply(decode: Callable[[], object], match: str) -> None:
     tracemalloc.start()
     start = time.perf_counter()
     try:
-        with pytest.raises(PayloadError, match=match):
+        with pytest.raises(PayloadLimitError, match=match):
             decode()
         elapsed = time.perf_counter() - start
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert elapsed < 0.05, f"refusal took {elapsed * 1e3:.1f} ms"
+    assert elapsed < 0.05, f"refusal took {elapsed * 1e3:.1f} ms"  # before the CRC
     assert peak < 1 << 20, f"refusal allocated {peak} bytes"
 
 
@@ -100,6 +123,21 @@ def test_a_valid_tensor_of_2_27_values_is_refused_by_default(
     _refused_cheaply(
         lambda: decoder(big), rf"{1 << 27} values .*at most {DEFAULT_MAX_VALUES} .*max_values="
     )
+
+
+def test_an_entropy_coded_tensor_of_2_27_values_is_refused_before_decompressing() -> None:
+    message = _entropy_coded_big_tensor()
+    (entry,) = read_header(message, max_values=1 << 27)  # only the limit refuses it
+    assert entry.numel == 1 << 27
+    _refused_cheaply(lambda: decode_update(message), rf"{1 << 27} values .*max_values=")
+
+
+def test_the_limits_are_checked_before_the_crc(big: bytes) -> None:
+    damaged = big[:-1] + bytes([big[-1] ^ 0xFF])
+    with pytest.raises(PayloadLimitError, match="max_values="):
+        decode_update(damaged)
+    with pytest.raises(PayloadError, match="CRC"):
+        decode_update(damaged, max_values=1 << 27)
 
 
 def test_the_refused_big_tensor_is_well_formed(big: bytes) -> None:

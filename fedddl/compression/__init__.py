@@ -35,7 +35,7 @@ from fedddl.compression.algorithms.ternary import TernaryCompressor, TernaryEntr
 from fedddl.compression.backends.packing import CODECS, pack_codes
 from fedddl.compression.backends.ternarize import PROBABILITY_BITS
 from fedddl.compression.backends.unpacking import unpack_codes
-from fedddl.compression.codecs.errors import PayloadError
+from fedddl.compression.codecs.errors import PayloadError, PayloadLimitError
 from fedddl.compression.codecs.message_buffer import MessageBuffer
 from fedddl.compression.codecs.wire import (
     DEFAULT_MAX_BYTES,
@@ -75,6 +75,7 @@ __all__ = [
     "OpenedMessage",
     "Payload",
     "PayloadError",
+    "PayloadLimitError",
     "ResidualMemory",
     "TernaryCompressor",
     "TernaryEntropyCompressor",

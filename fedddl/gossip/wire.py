@@ -63,7 +63,7 @@ MAGIC = b"FGSP"
 FORMAT_VERSION = 1
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 #: Largest JSON header :func:`decode_frame` parses unless told otherwise.
-DEFAULT_MAX_HEADER_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_HEADER_BYTES = 1024 * 1024  # 4,096 tensor specs of 256 bytes
 _PREFIX = struct.Struct("<4sBBHIQI")
 
 # Only plain numeric dtypes travel; names are numpy's so the format is language neutral.

@@ -224,8 +224,8 @@ class ScaleBound:
                     raise ValueError(f"scale-bound history of {name!r} has a bad scale") from None
                 if not all(0 <= v <= MAX_HISTORY_SCALE for v in floats):
                     raise ValueError(
-                        f"scale-bound history of {name!r} has a scale outside "
-                        f"[0, {MAX_HISTORY_SCALE:g}]"
+                        f"scale-bound history of {name!r} has a bad scale: not finite, or "
+                        f"outside [0, {MAX_HISTORY_SCALE:g}]"
                     )
                 clean[name] = floats
             rounds.append(clean)

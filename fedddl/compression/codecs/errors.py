@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PayloadError"]
+__all__ = ["PayloadError", "PayloadLimitError"]
 
 
 class PayloadError(ValueError):
@@ -13,3 +13,8 @@ class PayloadError(ValueError):
     version, CRC mismatch, invalid code, shape/length mismatch, non-finite
     scale, repeated name, unknown dtype, trailing bytes, ...).
     """
+
+
+class PayloadLimitError(PayloadError):
+    """An encoded update declares more tensors, values or bytes than the decoder's limit
+    (its message names the limit and the keyword that raises it)."""

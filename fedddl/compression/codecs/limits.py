@@ -16,7 +16,7 @@ from typing import TypedDict
 
 import torch
 
-from fedddl.compression.codecs.errors import PayloadError
+from fedddl.compression.codecs.errors import PayloadLimitError
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -56,11 +56,11 @@ def check_limit(declared: int, limit: int, what: str, keyword: str) -> None:
 
     Raises
     ------
-    PayloadError
+    PayloadLimitError
         If ``declared > limit``.
     """
     if declared > limit:
-        raise PayloadError(
+        raise PayloadLimitError(
             f"message declares {declared} {what}, at most {limit} expected "
             f"(the limit {keyword}={limit}; pass a larger {keyword}= to accept more)"
         )
