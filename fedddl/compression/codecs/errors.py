@@ -11,7 +11,8 @@ class PayloadError(ValueError):
     :func:`fedddl.compression.decode_update` raises only this type for bad
     input, and its message names the problem (truncation, wrong magic or
     version, CRC mismatch, invalid code, shape/length mismatch, non-finite
-    scale, repeated name, unknown dtype, trailing bytes, ...).
+    scale, repeated name, unknown dtype, trailing bytes, ...); a message over a
+    decoder's limits raises the subclass :class:`PayloadLimitError`.
     """
 
 

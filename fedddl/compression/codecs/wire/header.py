@@ -194,7 +194,7 @@ def as_view(data: bytes | bytearray | memoryview, max_bytes: int) -> memoryview:
     except TypeError as error:
         raise PayloadError(f"data is not a flat byte buffer: {error}") from None
     if len(view) > max_bytes:
-        raise PayloadError(
+        raise PayloadLimitError(
             f"message of {len(view)} bytes exceeds the limit of {max_bytes} "
             f"(max_bytes; pass a larger max_bytes= to accept more)"
         )
