@@ -446,8 +446,9 @@ def load_latest_checkpoint(
     the next older one tried; otherwise its :class:`CheckpointError` is raised. ``key``:
     see :func:`load_checkpoint`. With ``key``, the directory's high-water mark
     (:mod:`fedddl.checkpoint_mark`) must verify and the checkpoint found must not be older
-    than the round it records; a rollback is refused, or with ``allow_fresh_start`` logged
-    at WARNING naming both rounds (the older checkpoint, or none, is then used).
+    than the round it records (nor, without a mark, hold a ``run_id``: the mark was
+    deleted); a rollback is refused, or with ``allow_fresh_start`` logged at WARNING
+    naming both rounds (the older checkpoint, or none, is then used).
 
     Returns
     -------
