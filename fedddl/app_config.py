@@ -134,10 +134,13 @@ class AppConfig:
         Newest checkpoints kept in ``checkpoint_dir`` (older ones are deleted).
     checkpoint_allow_fresh_start : bool
         When ``checkpoint_dir`` holds checkpoint files but none is readable, start from
-        round 0 (overwriting them) instead of stopping with an error.
+        round 0 (overwriting them) instead of stopping with an error; with a key, also
+        resume after a rollback (from the newest readable checkpoint, logged at WARNING
+        with the rounds) instead of stopping.
     checkpoint_key_file : str
         File holding a secret key (at least 16 bytes): checkpoints are then written with an
-        HMAC-SHA256 tag and only checkpoints with a valid tag are loaded.
+        HMAC-SHA256 tag and only checkpoints with a valid tag are loaded; a high-water mark
+        in ``checkpoint_dir`` refuses a rollback to an older round.
     aggregator : str
         How a TernGrad-family server combines the accepted gradients: ``"mean"``,
         ``"median"``, ``"trimmed-mean"`` or ``"sign-vote"`` (:mod:`fedddl.sync.robust`).

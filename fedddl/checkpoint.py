@@ -18,7 +18,10 @@ File layout (all integers big-endian)::
 A SHA-256 only detects accidents: anyone can re-hash a crafted file. With a secret key
 (``checkpoint-key-file``, :func:`read_key_file`) checkpoints are written in format 2 and
 only a file whose HMAC verifies with that key is loaded; a format-1 file is then refused
-("not authenticated"), and a format-2 file cannot be loaded without the key.
+("not authenticated"), and a format-2 file cannot be loaded without the key. The payload,
+and so the MAC, holds the round and the run's identity (``run_id``); a file named
+``round-NNNNNN.ckpt`` must hold round NNNNNN, and with a key the directory's high-water
+mark (:mod:`fedddl.checkpoint_mark`) refuses a rollback to an older round or another run.
 
 Saving writes a temporary file in the target directory, fsyncs it and
 ``os.replace``-s it over the target (then fsyncs the directory), so a crash
@@ -41,11 +44,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import WARNING, getLogger
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fedddl.framing import check_magic
+
+if TYPE_CHECKING:
+    from fedddl.checkpoint_mark import HighWaterMark
 
 __all__ = [
     "CHECKPOINT_FORMAT_VERSION",
@@ -60,6 +66,7 @@ __all__ = [
     "prune_checkpoints",
     "read_key_file",
     "save_checkpoint",
+    "write_atomically",
 ]
 
 CHECKPOINT_FORMAT_VERSION = 1
@@ -106,6 +113,9 @@ class ServerCheckpoint:
     strategy_state : dict
         Further strategy state needed for an exact continuation (e.g. TernGrad's
         server-side error-feedback residuals and shared scales); plain types and tensors.
+    run_id : str
+        The identity of the run that wrote it (hex; empty when unknown), see
+        :mod:`fedddl.checkpoint_mark`.
     """
 
     round: int
@@ -117,6 +127,7 @@ class ServerCheckpoint:
     rng_states: dict[str, Any] | None = None
     created_unix: float = 0.0
     strategy_state: dict[str, Any] = field(default_factory=dict)
+    run_id: str = ""
 
     def __post_init__(self) -> None:
         if self.round < 0:
@@ -214,6 +225,7 @@ def _to_payload(checkpoint: ServerCheckpoint) -> dict[str, Any]:
         "rng_states": checkpoint.rng_states,
         "created_unix": checkpoint.created_unix,
         "strategy_state": checkpoint.strategy_state,
+        "run_id": checkpoint.run_id,
     }
 
 
@@ -281,15 +293,21 @@ def save_checkpoint(
     body = buffer.getvalue()
     fmt = CHECKPOINT_FORMAT_VERSION if key is None else KEYED_FORMAT_VERSION
     header = _HEADER.pack(_MAGIC, fmt, len(body), _digest(fmt, body, key))
-
     target = Path(path)
+    write_atomically(target, [header, body])
+    return target
+
+
+def write_atomically(target: Path, chunks: Sequence[bytes]) -> None:
+    """Write ``chunks`` to ``target`` through a temporary file in its directory (created if
+    missing), fsync-ed and renamed over it, then fsync the directory."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp",
                                     dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(header)
-            handle.write(body)
+            for chunk in chunks:
+                handle.write(chunk)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp_name, target)
@@ -302,20 +320,20 @@ def save_checkpoint(
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    return target
 
 
 def load_checkpoint(path: str | Path, *, key: bytes | None = None) -> ServerCheckpoint:
     """Read and verify a checkpoint written by :func:`save_checkpoint`.
 
-    With ``key``, only a file authenticated with that key (format 2) is accepted.
+    With ``key``, only a file authenticated with that key (format 2) is accepted. A file
+    named ``round-NNNNNN.ckpt`` must hold round NNNNNN.
 
     Raises
     ------
     CheckpointError
         If the file is missing, is not a fedddl checkpoint, has another format
-        version, is truncated, fails its checksum or authentication, or holds malformed
-        content.
+        version, is truncated, fails its checksum or authentication, holds malformed
+        content, or another round than its name says.
     """
     if key is not None:
         _check_key(key)
@@ -363,7 +381,7 @@ def load_checkpoint(path: str | Path, *, key: bytes | None = None) -> ServerChec
         raise CheckpointError(f"checkpoint {source} is corrupt: checksum mismatch")
     try:
         payload = torch.load(io.BytesIO(body), weights_only=True)
-        return ServerCheckpoint(
+        checkpoint = ServerCheckpoint(
             round=int(payload["round"]),
             version=int(payload["version"]),
             model_state=dict(payload["model_state"]),
@@ -373,11 +391,19 @@ def load_checkpoint(path: str | Path, *, key: bytes | None = None) -> ServerChec
             rng_states=payload["rng_states"],
             created_unix=float(payload["created_unix"]),
             strategy_state=dict(payload.get("strategy_state", {})),
+            run_id=str(payload.get("run_id", "")),
         )
     except CheckpointError:
         raise
     except Exception as err:
         raise CheckpointError(f"checkpoint {source} has malformed content: {err}") from err
+    named = _NAME_RE.match(source.name)
+    if named and int(named.group(1)) != checkpoint.round:
+        raise CheckpointError(
+            f"checkpoint {source} holds round {checkpoint.round}, its name says round "
+            f"{int(named.group(1))} (renamed or copied over a newer checkpoint?)"
+        )
+    return checkpoint
 
 
 def checkpoint_path(directory: str | Path, server_round: int) -> Path:
@@ -410,36 +436,51 @@ def load_latest_checkpoint(
     skip_corrupt: bool = True,
     key: bytes | None = None,
     allow_fresh_start: bool = False,
+    max_round: int | None = None,
 ) -> tuple[Path, ServerCheckpoint] | None:
     """Load the newest readable round checkpoint (``round-*.ckpt``) in ``directory``.
 
-    With ``skip_corrupt`` a checkpoint that fails verification is skipped, with its
-    reason logged at WARNING, and the next older one tried; otherwise its
-    :class:`CheckpointError` is raised. ``key``: see :func:`load_checkpoint`.
+    With ``skip_corrupt`` a checkpoint that fails verification (see :func:`load_checkpoint`;
+    also a round above ``max_round``, or with a key a checkpoint of another run than the
+    directory's high-water mark names) is skipped, with its reason logged at WARNING, and
+    the next older one tried; otherwise its :class:`CheckpointError` is raised. ``key``:
+    see :func:`load_checkpoint`. With ``key``, the directory's high-water mark
+    (:mod:`fedddl.checkpoint_mark`) must verify and the checkpoint found must not be older
+    than the round it records (nor, without a mark, hold a ``run_id``: the mark was
+    deleted); a rollback is refused, or with ``allow_fresh_start`` logged at WARNING
+    naming both rounds (the older checkpoint, or none, is then used).
 
     Returns
     -------
     tuple[Path, ServerCheckpoint] | None
-        None when the directory holds no checkpoint file, or (with ``allow_fresh_start``)
-        when none of them is readable.
+        None when the directory holds no checkpoint file (and no mark of a saved round),
+        or (with ``allow_fresh_start``) when none of them is readable.
 
     Raises
     ------
     CheckpointError
-        When checkpoint files exist but none is readable (each one's reason listed),
-        unless ``allow_fresh_start``.
+        When checkpoint files exist but none is readable (each one's reason listed), or on
+        a rollback, unless ``allow_fresh_start``.
     """
+    source = Path(directory)
+    mark = _read_mark(source, key, allow_fresh_start) if key is not None else None
     reasons: list[str] = []
-    for _, path in reversed(_rounds_in(Path(directory))):
+    found = None
+    for _, path in reversed(_rounds_in(source)):
         try:
-            return path, load_checkpoint(path, key=key)
+            ckpt = load_checkpoint(path, key=key)
+            _check_identity(ckpt, path, max_round, None if mark is None else mark.run_id)
+            found = (path, ckpt)
+            break
         except CheckpointError as err:
             if not skip_corrupt:
                 raise
             reasons.append(str(err))
             logger.log(WARNING, "skipping checkpoint %s: %s", path, err)
-    if not reasons:
-        return None
+    if key is not None:
+        _check_rollback(source, mark, found, allow_fresh_start)
+    if found is not None or not reasons:
+        return found
     if allow_fresh_start:
         logger.log(
             WARNING,
@@ -453,6 +494,77 @@ def load_latest_checkpoint(
         f"none of the {len(reasons)} checkpoint(s) in {directory} is readable, so the run "
         "stops rather than retrain from round 0 over them (set "
         "checkpoint-allow-fresh-start = true to do that): " + "; ".join(reasons)
+    )
+
+
+_FRESH_START_HINT = "set checkpoint-allow-fresh-start = true to go on anyway"
+
+
+def _read_mark(directory: Path, key: bytes, allow_fresh_start: bool) -> HighWaterMark | None:
+    """The directory's high-water mark (None: none, or unreadable and a fresh start allowed)."""
+    from fedddl.checkpoint_mark import read_mark
+
+    try:
+        return read_mark(directory, key)
+    except CheckpointError as err:
+        if not allow_fresh_start:
+            raise CheckpointError(
+                f"{err}: the run stops rather than resume without knowing the newest round "
+                f"saved ({_FRESH_START_HINT})"
+            ) from err
+        logger.log(WARNING, "%s; going on without it (checkpoint-allow-fresh-start = true)", err)
+        return None
+
+
+def _check_identity(
+    ckpt: ServerCheckpoint, path: Path, max_round: int | None, run_id: str | None
+) -> None:
+    """Refuse a round above ``max_round``, or a checkpoint of another run than ``run_id``."""
+    if max_round is not None and ckpt.round > max_round:
+        raise CheckpointError(
+            f"checkpoint {path} holds round {ckpt.round}, beyond the run's {max_round} rounds"
+        )
+    if run_id is not None and ckpt.run_id != run_id:
+        raise CheckpointError(
+            f"checkpoint {path} was written by run {ckpt.run_id or '(unknown)'}, the "
+            f"directory's high-water mark names run {run_id}"
+        )
+
+
+def _check_rollback(
+    directory: Path,
+    mark: HighWaterMark | None,
+    found: tuple[Path, ServerCheckpoint] | None,
+    allow_fresh_start: bool,
+) -> None:
+    """Refuse (or with ``allow_fresh_start`` log at WARNING) resuming from an older round
+    than the high-water ``mark`` records, or from a marked run's checkpoint without a mark."""
+    problem = None
+    if mark is None:
+        if found is not None and found[1].run_id:
+            problem = (
+                f"{directory} has no high-water mark, but its newest readable checkpoint "
+                f"(round {found[1].round}) was written by a run that keeps one: the mark was "
+                "deleted, so newer checkpoints may have been deleted too"
+            )
+    elif found is None and mark.round > 0:
+        problem = (
+            f"the high-water mark of {directory} records round {mark.round}, but no "
+            "checkpoint is readable: a rollback to round 0"
+        )
+    elif found is not None and found[1].round < mark.round:
+        problem = (
+            f"the newest readable checkpoint in {directory} is round {found[1].round}, but "
+            f"the high-water mark records round {mark.round}: a rollback (a newer checkpoint "
+            "was deleted, damaged or replaced by an older one)"
+        )
+    if problem is None:
+        return
+    if not allow_fresh_start:
+        raise CheckpointError(f"{problem}; the run stops ({_FRESH_START_HINT})")
+    resumed = "round 0" if found is None else f"round {found[1].round}"
+    logger.log(
+        WARNING, "%s; resuming from %s (checkpoint-allow-fresh-start = true)", problem, resumed
     )
 
 

@@ -10,7 +10,8 @@ keys; a resume refuses a change to any of :data:`RESUME_CHECK_KEYS`) and, with `
 a roll call (:mod:`strategies.roll_call`) that names the attacking nodes; any other Flower
 strategy runs with the byte counts and server-side evaluation alone. Flower's grids are
 polled sooner (:func:`fedddl.flower.grid.fast_poll`); the inline engine's grid is used as
-given. Checkpoint and resume in full: ``docs/deployment.md``.
+given. Checkpoint and resume in full, with the high-water mark that refuses a rollback under
+``checkpoint-key-file`` (:mod:`fedddl.checkpoint_mark`): ``docs/deployment.md``.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def run_server(
     strategy = build_strategy(cfg, model_fn)
     replica = replica_strategy(strategy)
     key = _checkpoint_key(cfg)
-    resumed = _resume(replica, strategy, cfg, key)
+    resumed, run_id = _resume(replica, strategy, cfg, key)
     offset = 0 if resumed is None else int(resumed["round"])
     x_test, y_test = as_tensors(load_dataset(cfg.dataset, cfg.data_root or None, split="test"))
     x_test, y_test = evaluation_subset(x_test, y_test, cfg.eval_samples, cfg.seed)
@@ -106,7 +107,7 @@ def run_server(
     counting = CountingGrid(polled)
     saver = None
     if replica is not None and cfg.checkpoint_every > 0:
-        saver = _checkpoint_saver(replica, cfg, key)
+        saver = _checkpoint_saver(replica, cfg, key, run_id, offset)
     recorder = RoundRecorder(
         model_fn,
         x_test,
@@ -194,9 +195,12 @@ def _checkpoint_key(cfg: AppConfig) -> bytes | None:
 
 def _resume(
     replica: ReplicaStrategy | None, strategy: Strategy, cfg: AppConfig, key: bytes | None
-) -> dict[str, Any] | None:
-    """Restore ``replica`` from the newest checkpoint in ``cfg.checkpoint_dir``, if any."""
+) -> tuple[dict[str, Any] | None, str]:
+    """Restore ``replica`` from the newest checkpoint in ``cfg.checkpoint_dir``, if any;
+    return what was resumed (None: nothing) and the run's identity (the checkpoint's, or a
+    new one)."""
     from fedddl.checkpoint import load_latest_checkpoint
+    from fedddl.checkpoint_mark import new_run_id
 
     if cfg.checkpoint_every > 0 and replica is None:
         raise ValueError(
@@ -204,13 +208,16 @@ def _resume(
             f"checkpoints), not {type(strategy).__name__}"
         )
     if not cfg.checkpoint_dir:
-        return None
+        return None, new_run_id()
     found = load_latest_checkpoint(
-        cfg.checkpoint_dir, key=key, allow_fresh_start=cfg.checkpoint_allow_fresh_start
+        cfg.checkpoint_dir,
+        key=key,
+        allow_fresh_start=cfg.checkpoint_allow_fresh_start,
+        max_round=cfg.num_server_rounds,
     )
     if found is None:
         log(INFO, "fedddl: no checkpoint in %s, starting from round 0", cfg.checkpoint_dir)
-        return None
+        return None, new_run_id()
     path, ckpt = found
     if replica is None:
         raise ValueError(
@@ -220,25 +227,30 @@ def _resume(
     ckpt.check_config(cfg.to_run_config(), RESUME_CHECK_KEYS, AppConfig().to_run_config())
     replica.restore(ckpt)
     log(INFO, "fedddl: resumed from %s (round %d, version %d)", path, ckpt.round, ckpt.version)
-    return {"round": ckpt.round, "version": ckpt.version, "path": str(path)}
+    resumed = {"round": ckpt.round, "version": ckpt.version, "path": str(path)}
+    return resumed, ckpt.run_id or new_run_id()
 
 
 def _checkpoint_saver(
-    replica: ReplicaStrategy, cfg: AppConfig, key: bytes | None
+    replica: ReplicaStrategy, cfg: AppConfig, key: bytes | None, run_id: str, start: int
 ) -> Callable[[int], None]:
-    """Return the ``on_round`` hook saving a checkpoint every ``cfg.checkpoint_every`` rounds."""
+    """Return the ``on_round`` hook saving a checkpoint every ``cfg.checkpoint_every`` rounds
+    (with ``key``: the high-water mark is written now, at round ``start``, and after each)."""
     from fedddl.checkpoint import checkpoint_path, prune_checkpoints, save_checkpoint
+    from fedddl.checkpoint_mark import HighWaterMark, write_mark
 
     config = cfg.to_run_config()
+    if key is not None:
+        write_mark(cfg.checkpoint_dir, HighWaterMark(run_id, start), key)
 
     def save(global_round: int) -> None:
         if global_round % cfg.checkpoint_every:
             return
-        path = save_checkpoint(
-            replica.checkpoint(global_round, config),
-            checkpoint_path(cfg.checkpoint_dir, global_round),
-            key=key,
-        )
+        ckpt = replica.checkpoint(global_round, config)
+        ckpt.run_id = run_id
+        path = save_checkpoint(ckpt, checkpoint_path(cfg.checkpoint_dir, global_round), key=key)
+        if key is not None:
+            write_mark(cfg.checkpoint_dir, HighWaterMark(run_id, global_round), key)
         prune_checkpoints(cfg.checkpoint_dir, cfg.checkpoint_keep)
         log(INFO, "fedddl: checkpoint of round %d written to %s", global_round, path)
 

@@ -176,7 +176,7 @@ def test_hand_built_message_decodes() -> None:
         (_single(2, 1, (5,), 1.0, bytes([250])), "base-3"),
         (_single(1, 1, (8,), 1.0, bytes([0])), "data bytes"),
         (_single(1, 1, (4,), 1.0, bytes([0, 0])), "data bytes"),
-        (_single(1, 1, (2**40, 2**20), 1.0, bytes([0])), "data bytes"),
+        (_single(1, 1, (2**40, 2**20), 1.0, bytes([0])), "max_values"),  # the default limit
         (_single(0, 1, (3,), 0.0, bytes(8)), "data bytes"),
         (_single(1, 1, (4,), math.nan, bytes([0])), "non-finite scale"),
         (_single(1, 1, (4,), math.inf, bytes([0])), "non-finite scale"),

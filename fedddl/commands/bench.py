@@ -127,6 +127,7 @@ def _cases(update: dict[str, Any], seed: int) -> list[Case]:
         TernaryEntropyCompressor,
         decode_update,
         encode_update,
+        limits_for,
     )
 
     tensors = list(update.values())
@@ -185,7 +186,7 @@ def _cases(update: dict[str, Any], seed: int) -> list[Case]:
             ),
             (
                 f"decode_update {label}",
-                lambda m=message: decode_update(m),  # type: ignore[misc]
+                lambda m=message: decode_update(m, **limits_for(update)),  # type: ignore[misc]
                 None,
                 _GRACE_DECOMPRESS if ternary else _COPY_WARM,
             ),

@@ -5,6 +5,7 @@ Usage::
     from fedddl.compression import TernaryCompressor, ResidualMemory, encode_update, decode_update
     data = encode_update(model_gradients, TernaryCompressor(seed=0), ResidualMemory())
     grads = decode_update(data)      # raises PayloadError on bad input
+    grads = decode_update(data, **limits_for(model_gradients))  # a model over the defaults
 
 Three layers, imports pointing one way (``backends`` <- ``algorithms`` <- ``codecs``):
 :mod:`.backends` (numpy, numba, torch and thread kernels), :mod:`.algorithms`
@@ -34,15 +35,20 @@ from fedddl.compression.algorithms.ternary import TernaryCompressor, TernaryEntr
 from fedddl.compression.backends.packing import CODECS, pack_codes
 from fedddl.compression.backends.ternarize import PROBABILITY_BITS
 from fedddl.compression.backends.unpacking import unpack_codes
-from fedddl.compression.codecs.errors import PayloadError
+from fedddl.compression.codecs.errors import PayloadError, PayloadLimitError
 from fedddl.compression.codecs.message_buffer import MessageBuffer
 from fedddl.compression.codecs.wire import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_TENSORS,
+    DEFAULT_MAX_VALUES,
     FORMAT_VERSION,
     MAGIC,
+    DecodeLimits,
     EntryHeader,
     OpenedMessage,
     decode_update,
     encode_update,
+    limits_for,
     open_message,
     read_header,
 )
@@ -50,12 +56,16 @@ from fedddl.compression.warmup import warm_up
 
 __all__ = [
     "CODECS",
+    "DEFAULT_MAX_BYTES",
+    "DEFAULT_MAX_TENSORS",
+    "DEFAULT_MAX_VALUES",
     "FORMAT_VERSION",
     "MAGIC",
     "PROBABILITY_BITS",
     "SUPPORTED_DTYPES",
     "Compressor",
     "Context",
+    "DecodeLimits",
     "DensePayload",
     "EntryHeader",
     "IdentityCompressor",
@@ -65,6 +75,7 @@ __all__ = [
     "OpenedMessage",
     "Payload",
     "PayloadError",
+    "PayloadLimitError",
     "ResidualMemory",
     "TernaryCompressor",
     "TernaryEntropyCompressor",
@@ -74,6 +85,7 @@ __all__ = [
     "encode_update",
     "get_compressor",
     "is_ternary",
+    "limits_for",
     "local_scales",
     "make_compressor",
     "max_scales",

@@ -34,7 +34,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordD
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode
 
-from fedddl.compression import ResidualMemory, decode_update, encode_update
+from fedddl.compression import ResidualMemory, decode_update, encode_update, limits_for
 from fedddl.compression.algorithms.registry import make_compressor
 from fedddl.flower.delta_protocol import (
     DELTA,
@@ -129,7 +129,7 @@ def _reach(broadcast: Broadcast, content: RecordDict, state: RecordDict) -> Spli
             array = updates.get(update_key(version))
             if array is None:
                 raise BroadcastError(f"the update to version {version} is missing")
-            delta = decode_update(array_to_bytes(array))
+            delta = decode_update(array_to_bytes(array), **limits_for(floats))
             if list(delta) != list(floats) or any(
                 delta[n].shape != floats[n].shape or delta[n].dtype != floats[n].dtype
                 for n in floats

@@ -33,7 +33,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedddl.compression import PayloadError, decode_update, encode_update
+from fedddl.compression import PayloadError, decode_update, encode_update, limits_for
 from fedddl.compression.algorithms.registry import make_compressor
 from fedddl.flower.delta_protocol import (
     DELTA,
@@ -197,7 +197,7 @@ class TernaryDelta(Strategy):
                 clip_sigma=self.clip_sigma,
             )
             payload = encode_update(delta, compressor)
-            decoded = decode_update(payload)  # exactly what every client will add
+            decoded = decode_update(payload, **limits_for(delta))  # what every client will add
             self._floats = {n: self._floats[n] + decoded[n] for n in self._floats}
             self._log.append((self.version + 1, payload))
             while len(self._log) > self.update_log_size:
@@ -321,7 +321,7 @@ class TernaryDelta(Strategy):
         limit = max_payload_bytes(self._floats)
         if len(payload) > limit:
             raise ValueError(f"its delta has {len(payload)} bytes, more than {limit}")
-        delta = decode_update(payload)
+        delta = decode_update(payload, **limits_for(self._floats))
         if list(delta) != list(self._floats):
             raise PayloadError("its delta names other tensors than the model's float arrays")
         weights: dict[str, torch.Tensor] = {}

@@ -31,6 +31,7 @@ from fedddl.compression import (
     PayloadError,
     decode_update,
     encode_update,
+    limits_for,
     make_compressor,
 )
 from fedddl.training import tensors_fingerprint
@@ -199,12 +200,12 @@ class SenderCopies:
             self._keys_sent += 1
             header = LinkHeader(f"key-{self._keys_sent}", 0, True)
             payload = encode_update(current, IdentityCompressor())
-            copy_after = decode_update(payload)
+            copy_after = decode_update(payload, **limits_for(current))
             self.key_frames += 1
         else:
             difference = {k: current[k] - link.copy[k] for k in current}
             payload = encode_update(difference, self._compressor)
-            decoded = decode_update(payload)
+            decoded = decode_update(payload, **limits_for(current))
             gains = tuple(_gain(difference[k], decoded[k]) for k in decoded)
             header = LinkHeader(link.base, link.seq, False, gains)
             copy_after = _advance(link.copy, decoded, gains)

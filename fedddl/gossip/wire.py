@@ -21,9 +21,10 @@ gossip, :mod:`fedddl.gossip.compressed`) the link header ``{"base", "seq",
 "key", "gains"}``; the compressed update itself is checked by its receiver
 (:meth:`~fedddl.gossip.compressed.ReceiverCopies.apply`) against its own model
 before anything is allocated. :func:`decode_frame`
-checks everything (size limit, magic, version, lengths, checksum, schema,
-tensor byte counts) before any tensor is built, so a bad frame raises
-:class:`WireError` and never reaches a model.
+checks everything (size limits, magic, version, lengths, checksum, schema,
+tensor counts and byte counts) before any tensor is built, so a bad frame raises
+:class:`WireError` and never reaches a model. Its default limits (frame bytes, header bytes,
+tensors, values) fit real models; a peer with a larger model passes larger ones.
 """
 
 from __future__ import annotations
@@ -39,12 +40,14 @@ from typing import Any, TypeGuard
 import numpy as np
 import torch
 
+from fedddl.compression import DEFAULT_MAX_TENSORS
 from fedddl.framing import check_crc, check_magic, crc32_of
 from fedddl.gossip.compressed import LinkHeader
 from fedddl.gossip.scheduler import PeerState
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
+    "DEFAULT_MAX_HEADER_BYTES",
     "FORMAT_VERSION",
     "MAGIC",
     "Frame",
@@ -59,6 +62,8 @@ __all__ = [
 MAGIC = b"FGSP"
 FORMAT_VERSION = 1
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
+#: Largest JSON header :func:`decode_frame` parses unless told otherwise.
+DEFAULT_MAX_HEADER_BYTES = 1024 * 1024  # 4,096 tensor specs of 256 bytes
 _PREFIX = struct.Struct("<4sBBHIQI")
 
 # Only plain numeric dtypes travel; names are numpy's so the format is language neutral.
@@ -234,7 +239,14 @@ def encode_frame(
     return prefix + header + payload
 
 
-def decode_frame(data: bytes, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame:
+def decode_frame(
+    data: bytes,
+    max_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    *,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    max_tensors: int = DEFAULT_MAX_TENSORS,
+    max_values: int | None = None,
+) -> Frame:
     """Parse and fully validate one frame.
 
     Parameters
@@ -243,6 +255,15 @@ def decode_frame(data: bytes, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame
         The received bytes.
     max_bytes : int
         Largest frame accepted.
+    max_header_bytes : int
+        Largest JSON header accepted (checked before it is read).
+    max_tensors : int
+        Most tensors a MODEL frame may declare (checked before any tensor is built;
+        :func:`~fedddl.compression.decode_update`'s default).
+    max_values : int | None
+        Most values in all a MODEL frame may declare (checked likewise); None: no limit
+        besides ``max_bytes`` (a value takes at least one byte of the payload, and the
+        tensors built are copies of the payload).
 
     Returns
     -------
@@ -274,6 +295,11 @@ def decode_frame(data: bytes, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame
         raise WireError(f"unknown frame kind {kind_value}")
     if reserved != 0:
         raise WireError(f"reserved field must be 0, got {reserved}")
+    if header_len > max_header_bytes:
+        raise WireError(
+            f"header of {header_len} bytes exceeds the limit max_header_bytes="
+            f"{max_header_bytes} (pass a larger max_header_bytes= to accept more)"
+        )
     expected = _PREFIX.size + header_len + payload_len
     if len(data) != expected:
         raise WireError(
@@ -294,6 +320,7 @@ def decode_frame(data: bytes, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame
         return Frame(kind=kind, sender=header["sender"], state=state, link=link, update=update)
     if "link" in header:
         raise WireError(f"{kind.name} frame must not carry a link header")
+    _check_counts(header["tensors"], max_tensors, max_values)
     tensors = _parse_tensors(header["tensors"], body[header_len:], payload_len)
     if kind is not FrameKind.MODEL and tensors:
         raise WireError(f"{kind.name} frame must not carry tensors")
@@ -335,6 +362,27 @@ def _parse_header(raw: bytes) -> dict[str, Any]:
     if "state" not in header:
         raise WireError("header lacks the sender's state")
     return header
+
+
+def _check_counts(specs: list[Any], max_tensors: int, max_values: int | None) -> None:
+    """Refuse more than ``max_tensors`` specs or ``max_values`` values, before any is built."""
+    if len(specs) > max_tensors:
+        raise WireError(
+            f"frame declares {len(specs)} tensors, more than the limit max_tensors="
+            f"{max_tensors} (pass a larger max_tensors= to accept more)"
+        )
+    if max_values is None:
+        return
+    values = 0
+    for spec in specs:
+        shape = spec.get("shape") if isinstance(spec, dict) else None
+        if isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape):
+            values += math.prod(shape)  # malformed specs are refused by _parse_tensors
+    if values > max_values:
+        raise WireError(
+            f"frame declares {values} values, more than the limit max_values={max_values} "
+            "(pass a larger max_values= to accept more)"
+        )
 
 
 def _parse_tensors(

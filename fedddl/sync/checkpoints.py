@@ -5,8 +5,9 @@ downlink state (server-side error-feedback residuals, shared scales), plus any f
 server state (the scale bound's history). :func:`load` checks a checkpoint against the
 server and builds the state to continue from *on copies*, so a checkpoint that does not fit
 changes nothing. Before anything is used it is validated: every weight, momentum buffer,
-residual and shared scale finite and shaped like the model's parameter, every logged
-update decodable and fitting the model.
+residual and shared scale finite and shaped like the model's parameter, every parameter
+within :data:`PLAUSIBLE_GROWTH` times the server's current one (its initial model on a
+resume), every logged update decodable and fitting the model.
 """
 
 from __future__ import annotations
@@ -19,12 +20,17 @@ from typing import Any
 import torch
 
 from fedddl.checkpoint import CheckpointError, ServerCheckpoint
-from fedddl.compression import PayloadError, ResidualMemory
+from fedddl.compression import PayloadError, ResidualMemory, limits_for
 from fedddl.compression.codecs.downlink import decode_broadcast
 from fedddl.replica import Replica, ReplicaError, UpdateLog
 from fedddl.sync.scale_bound import ScaleBound
 
-__all__ = ["Restored", "capture", "load", "load_scale_bound"]
+__all__ = ["PLAUSIBLE_GROWTH", "Restored", "capture", "load", "load_scale_bound"]
+
+#: A checkpoint's parameter may be at most this many times larger (largest magnitude)
+#: than the same parameter of the server's current model, floored at 1: training moves
+#: weights far less, so a larger one is a crafted file (e.g. every weight x1000).
+PLAUSIBLE_GROWTH = 100.0
 
 
 @dataclass(frozen=True)
@@ -83,8 +89,9 @@ def load(
     ------
     CheckpointError
         If the checkpoint was made by another class, or does not fit the model, the
-        optimiser settings or its own version, or holds a non-finite or misshapen value or
-        an update that does not decode or fit the model.
+        optimiser settings or its own version, or holds a non-finite, implausibly large
+        (:data:`PLAUSIBLE_GROWTH`) or misshapen value or an update that does not decode or
+        fit the model.
     """
     saved_class = ckpt.strategy_state.get("strategy_class")
     if saved_class is not None and saved_class != owner:
@@ -106,6 +113,7 @@ def load(
     params = {n: p for n, p in shadow.model.named_parameters() if p.requires_grad}
     names = list(param_names) if param_names is not None else list(params)
     _check_finite(ckpt.model_state, "model weight")
+    _check_plausible(ckpt.model_state, params)
     _check_like_params(memory, params, "server_memory residual")
     if scales is not None and (
         tuple(scales.shape) != (len(names),)
@@ -116,9 +124,10 @@ def load(
             f"checkpoint shared_scales must be {len(names)} finite non-negative values, "
             f"got shape {tuple(scales.shape)}"
         )
+    limits = limits_for(shadow.model.state_dict())
     for version, payload in entries:
         try:
-            shadow.check_update(decode_broadcast(payload))
+            shadow.check_update(decode_broadcast(payload, **limits))
         except (PayloadError, ReplicaError) as err:
             raise CheckpointError(f"checkpoint update log: version {version}: {err}") from err
     log = UpdateLog(log_capacity)
@@ -157,6 +166,26 @@ def _check_finite(tensors: Mapping[str, Any], what: str) -> None:
             raise CheckpointError(f"checkpoint {what} {name!r} is not a tensor")
         if value.is_floating_point() and not bool(torch.isfinite(value).all()):
             raise CheckpointError(f"checkpoint {what} {name!r} has non-finite values")
+
+
+def _check_plausible(
+    weights: Mapping[str, torch.Tensor], params: Mapping[str, torch.nn.Parameter]
+) -> None:
+    """Each saved parameter's largest magnitude within :data:`PLAUSIBLE_GROWTH` times the
+    current parameter's (at least 1)."""
+    for name, param in params.items():
+        saved = weights.get(name)
+        if not isinstance(saved, torch.Tensor) or not saved.is_floating_point():
+            continue  # a missing or misshapen tensor is refused when the model is restored
+        if not saved.numel() or not param.numel():
+            continue
+        limit = PLAUSIBLE_GROWTH * max(float(param.detach().abs().max()), 1.0)
+        peak = float(saved.abs().max())
+        if peak > limit:
+            raise CheckpointError(
+                f"checkpoint model weight {name!r} reaches {peak:.4g}, more than "
+                f"{PLAUSIBLE_GROWTH:g} x this model's (limit {limit:.4g}): not a trained model"
+            )
 
 
 def _check_like_params(

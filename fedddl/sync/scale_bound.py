@@ -37,7 +37,18 @@ from typing import Any
 from fedddl.compression import EntryHeader
 from fedddl.defenses import SCALE_BOUND_ACTIONS
 
-__all__ = ["SCALE_BOUND_ACTIONS", "BoundVerdict", "ScaleBound", "lower_median", "magnitude"]
+__all__ = [
+    "MAX_HISTORY_SCALE",
+    "SCALE_BOUND_ACTIONS",
+    "BoundVerdict",
+    "ScaleBound",
+    "lower_median",
+    "magnitude",
+]
+
+#: The largest scale a restored history may hold: far above any honest gradient's
+#: ``max|g|``, far below what would switch the bound off (``factor ×`` it overflowing).
+MAX_HISTORY_SCALE = 1e6
 
 
 def magnitude(entry: EntryHeader) -> float | None:
@@ -192,7 +203,8 @@ class ScaleBound:
         Raises
         ------
         ValueError
-            If ``state`` is malformed (nothing is changed then).
+            If ``state`` is malformed, or a scale is not finite or outside
+            ``[0, MAX_HISTORY_SCALE]`` (nothing is changed then).
         """
         history = state.get("history", [])
         if not isinstance(history, list):
@@ -209,8 +221,11 @@ class ScaleBound:
                     floats = [float(v) for v in values]
                 except (TypeError, ValueError):
                     raise ValueError(f"scale-bound history of {name!r} has a bad scale") from None
-                if not all(0 <= v < float("inf") for v in floats):
-                    raise ValueError(f"scale-bound history of {name!r} has a bad scale")
+                if not all(0 <= v <= MAX_HISTORY_SCALE for v in floats):
+                    raise ValueError(
+                        f"scale-bound history of {name!r} has a bad scale: not finite, or "
+                        f"outside [0, {MAX_HISTORY_SCALE:g}]"
+                    )
                 clean[name] = floats
             rounds.append(clean)
         self.history.clear()

@@ -116,7 +116,11 @@ class PayloadSpec:
         what = f"node {node} payload rejected"
         try:
             message = open_message(
-                payload, max_bytes=self.max_bytes, max_tensors=len(self.shapes), dense_peaks=True
+                payload,
+                max_bytes=self.max_bytes,
+                max_tensors=len(self.shapes),
+                max_values=sum(math.prod(shape) for shape in self.shapes.values()),
+                dense_peaks=True,
             )
         except PayloadError as err:
             raise PayloadRejected(f"{what}: {err}") from err

@@ -18,7 +18,9 @@ first byte tells them apart (all integers little-endian):
     :func:`encode_update` bytes.
 
 :func:`decode_broadcast_parts` and :func:`decode_broadcast` raise
-:class:`~fedddl.compression.PayloadError` on anything malformed.
+:class:`~fedddl.compression.PayloadError` on anything malformed, and on a section declaring
+more tensors or values than their limits (``max_tensors`` / ``max_values``, as
+:func:`~fedddl.compression.decode_update`'s) before anything is allocated for it.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ import torch
 from fedddl.compression.algorithms.base import Compressor
 from fedddl.compression.algorithms.memory import Memory
 from fedddl.compression.codecs.errors import PayloadError
+from fedddl.compression.codecs.limits import check_limit
 from fedddl.compression.codecs.wire import decode_update, encode_update
+from fedddl.compression.codecs.wire.decode import resolve_limits
 from fedddl.framing import CRC, seal, unseal
 
 __all__ = [
@@ -136,15 +140,17 @@ def encode_shared_sum(
     return seal(_HEAD.pack(TAG_SHARED_SUM, n, len(headers)) + b"".join(headers) + b"".join(blobs))
 
 
-def _decode_shared_sum(data: bytes) -> dict[str, torch.Tensor]:
+def _decode_shared_sum(data: bytes, limits: tuple[int, int]) -> dict[str, torch.Tensor]:
     if len(data) < _HEAD.size + CRC.size:
         raise PayloadError(f"{_WHAT} is truncated: {len(data)} bytes")
     body = bytes(unseal(_WHAT, data, error=PayloadError))
     _, n, count = _HEAD.unpack_from(body)
     if n < 1:
         raise PayloadError("shared-sum update: N must be >= 1")
+    check_limit(count, limits[0], "tensors", "max_tensors")
     pos = _HEAD.size
     entries: list[tuple[str, list[int], float, int]] = []
+    values = 0
     try:
         for _ in range(count):
             (length,) = struct.unpack_from("<H", body, pos)
@@ -155,6 +161,8 @@ def _decode_shared_sum(data: bytes) -> dict[str, torch.Tensor]:
             pos += 1
             shape = list(struct.unpack_from(f"<{ndim}I", body, pos))
             pos += 4 * ndim
+            values += math.prod(shape)
+            check_limit(values, limits[1], f"values (by tensor {name!r})", "max_values")
             scale, bits = struct.unpack_from("<fB", body, pos)
             pos += 5
             entries.append((name, shape, scale, bits))
@@ -262,69 +270,97 @@ def _bundle_sections(data: bytes) -> dict[int, bytes]:
 
 
 def _decode_bundle(
-    data: bytes, out: Mapping[str, torch.Tensor] | None = None
+    data: bytes,
+    out: Mapping[str, torch.Tensor] | None,
+    limits: tuple[int, int],
+    section_limits: tuple[int, int],
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The gradient (bounded by ``limits``) and statistics of a bundle; the fp32 and the
+    statistics sections are bounded by ``section_limits``."""
     parts = _bundle_sections(data)
     update: dict[str, torch.Tensor] = {}
     if SECTION_GRADIENT in parts:
         inner = parts[SECTION_GRADIENT]
         if inner[:1] not in (TAG_ENCODED, TAG_SHARED_SUM):
             raise PayloadError(f"{_BUNDLE_WHAT}: the gradient section must be E or S")
-        update = _decode_gradient(inner, out)
+        update = _decode_gradient(inner, out, limits)
+    tensors, values = section_limits
     if SECTION_DENSE in parts:
-        dense = decode_update(parts[SECTION_DENSE])
+        dense = decode_update(parts[SECTION_DENSE], max_tensors=tensors, max_values=values)
         overlap = sorted(set(dense) & set(update))
         if overlap:
             raise PayloadError(f"{_BUNDLE_WHAT}: tensors sent twice: {overlap[:5]}")
         update.update(dense)
-    statistics = decode_update(parts[SECTION_STATISTICS]) if SECTION_STATISTICS in parts else {}
+    statistics = (
+        decode_update(parts[SECTION_STATISTICS], max_tensors=tensors, max_values=values)
+        if SECTION_STATISTICS in parts
+        else {}
+    )
     return update, statistics
 
 
 def _decode_gradient(
-    data: bytes, out: Mapping[str, torch.Tensor] | None
+    data: bytes, out: Mapping[str, torch.Tensor] | None, limits: tuple[int, int]
 ) -> dict[str, torch.Tensor]:
     """A ``b"E"`` broadcast decoded into ``out`` when given, else any broadcast."""
     if out is not None and data[:1] == TAG_ENCODED:
         decode_update(data[1:], out=out)
         return dict(out)
-    return decode_broadcast(data)
+    return _decode_any(data, limits)
 
 
 def decode_broadcast_parts(
-    data: bytes, out: Mapping[str, torch.Tensor] | None = None
+    data: bytes,
+    out: Mapping[str, torch.Tensor] | None = None,
+    *,
+    max_tensors: int | None = None,
+    max_values: int | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Decode a broadcast of any format into ``(gradient by name, statistics by name)``.
 
     With ``out`` (one buffer per tensor of the gradient, on any device), a re-encoded
     (``b"E"``) gradient is decoded into those buffers, on their device, and they are
-    returned; the other formats decode on the host.
+    returned; the other formats decode on the host. ``max_tensors`` / ``max_values`` bound
+    each section (None: as in :func:`~fedddl.compression.decode_update`, ``out`` counting
+    for the gradient only).
 
     Raises
     ------
     PayloadError
-        On an unknown tag or malformed content (``out`` is then left untouched).
+        On an unknown tag, malformed content or a section over a limit (``out`` is then
+        left untouched).
     """
+    limits = resolve_limits(out, max_tensors, max_values)
     if data[:1] == TAG_BUNDLE:
-        return _decode_bundle(data, out)
-    return _decode_gradient(data, out), {}
+        sections = resolve_limits(None, max_tensors, max_values)
+        return _decode_bundle(data, out, limits, sections)
+    return _decode_gradient(data, out, limits), {}
 
 
-def decode_broadcast(data: bytes) -> dict[str, torch.Tensor]:
+def decode_broadcast(
+    data: bytes, *, max_tensors: int | None = None, max_values: int | None = None
+) -> dict[str, torch.Tensor]:
     """Decode the gradient of a broadcast update of any format (statistics are dropped).
 
+    ``max_tensors`` / ``max_values``: as :func:`decode_broadcast_parts` without ``out``.
+
     Raises
     ------
     PayloadError
-        On an unknown tag or malformed content.
+        On an unknown tag, malformed content or a section over a limit.
     """
+    return _decode_any(data, resolve_limits(None, max_tensors, max_values))
+
+
+def _decode_any(data: bytes, limits: tuple[int, int]) -> dict[str, torch.Tensor]:
     if not data:
         raise PayloadError("broadcast update is empty")
     tag = data[:1]
+    tensors, values = limits
     if tag == TAG_ENCODED:
-        return decode_update(data[1:])
+        return decode_update(data[1:], max_tensors=tensors, max_values=values)
     if tag == TAG_SHARED_SUM:
-        return _decode_shared_sum(data)
+        return _decode_shared_sum(data, limits)
     if tag == TAG_BUNDLE:
-        return _decode_bundle(data)[0]
+        return _decode_bundle(data, None, limits, limits)[0]
     raise PayloadError(f"broadcast update has unknown tag {tag!r}")

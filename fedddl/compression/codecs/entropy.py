@@ -25,10 +25,19 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from fedddl.compression.codecs.errors import PayloadError
+from fedddl.compression.codecs.errors import PayloadError, PayloadLimitError
+from fedddl.compression.codecs.limits import DEFAULT_MAX_BYTES
 from fedddl.framing import CRC, BytesLike, check_crc, check_magic, crc32, crc32_of
 
-__all__ = ["MAGIC", "MAX_EXPANSION", "VERSION", "open_entropy_coded", "seal_entropy_coded"]
+__all__ = [
+    "MAGIC",
+    "MAX_EXPANSION",
+    "VERSION",
+    "EntropyFrame",
+    "check_entropy_coded",
+    "open_entropy_coded",
+    "seal_entropy_coded",
+]
 
 MAGIC = b"FDTE"
 VERSION = 1
@@ -113,14 +122,74 @@ def _check_frame_extent(frame: memoryview) -> None:
         )
 
 
-def open_entropy_coded(view: memoryview) -> memoryview:
-    """Check an entropy-coded message and return its body.
+def open_entropy_coded(view: memoryview, max_bytes: int = DEFAULT_MAX_BYTES) -> memoryview:
+    """Check an entropy-coded message and return its body (of at most ``max_bytes``).
 
     Raises
     ------
     PayloadError
         Truncated, wrong magic or version, CRC mismatch, a malformed frame, or a
-        declared size beyond :data:`MAX_EXPANSION` times the message size.
+        declared size beyond :data:`MAX_EXPANSION` times the message size or beyond
+        ``max_bytes`` (refused before decompressing).
+    """
+    return check_entropy_coded(view, max_bytes).body()
+
+
+class EntropyFrame:
+    """A checked zstd frame and the size of the body it declares."""
+
+    def __init__(self, frame: memoryview, size: int) -> None:
+        self.frame, self.size = frame, size
+
+    def head(self, count: int) -> memoryview:
+        """The first ``count`` bytes of the body (all of it if shorter), decompressing no more.
+
+        Raises
+        ------
+        PayloadError
+            If the frame is corrupt.
+        """
+        zstd = _zstd()
+        wanted = min(count, self.size)
+        try:
+            with _decompressor().stream_reader(self.frame) as reader:
+                pieces, got = [], 0
+                while got < wanted:
+                    piece = reader.read(wanted - got)
+                    if not piece:
+                        break
+                    pieces.append(piece)
+                    got += len(piece)
+        except zstd.ZstdError as error:
+            raise PayloadError(f"{_WHAT}: corrupt zstd frame ({error})") from None
+        return memoryview(b"".join(pieces))
+
+    def body(self) -> memoryview:
+        """The whole body.
+
+        Raises
+        ------
+        PayloadError
+            If the frame is corrupt or holds another size than it declares.
+        """
+        zstd = _zstd()
+        try:
+            body = _decompressor().decompress(self.frame, max_output_size=self.size)
+        except zstd.ZstdError as error:
+            raise PayloadError(f"{_WHAT}: corrupt zstd frame ({error})") from None
+        if len(body) != self.size:
+            raise PayloadError(f"{_WHAT}: the frame holds {len(body)} bytes, declares {self.size}")
+        return memoryview(body)
+
+
+def check_entropy_coded(view: memoryview, max_bytes: int = DEFAULT_MAX_BYTES) -> EntropyFrame:
+    """Check an entropy-coded message as :func:`open_entropy_coded` does, decompressing
+    nothing; the returned frame gives the body, or its first bytes.
+
+    Raises
+    ------
+    PayloadError
+        As :func:`open_entropy_coded`.
     """
     if len(view) < _HEAD.size + 1 + CRC.size:
         raise PayloadError(f"{_WHAT}: truncated: {len(view)} bytes")
@@ -145,14 +214,13 @@ def open_entropy_coded(view: memoryview) -> memoryview:
             f"{_WHAT}: the frame declares {size} bytes of content, more than "
             f"{MAX_EXPANSION} x the {len(view)}-byte message (or none)"
         )
+    if size > max_bytes:
+        raise PayloadLimitError(
+            f"{_WHAT}: the frame declares {size} bytes of content, more than the limit "
+            f"max_bytes={max_bytes} (pass a larger max_bytes= to accept more)"
+        )
     _check_frame_extent(frame)
-    try:
-        body = _decompressor().decompress(frame, max_output_size=size)
-    except zstd.ZstdError as error:
-        raise PayloadError(f"{_WHAT}: corrupt zstd frame ({error})") from None
-    if len(body) != size:
-        raise PayloadError(f"{_WHAT}: the frame holds {len(body)} bytes, declares {size}")
-    return memoryview(body)
+    return EntropyFrame(frame, int(size))
 
 
 def _decompressor() -> Any:

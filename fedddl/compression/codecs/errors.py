@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PayloadError"]
+__all__ = ["PayloadError", "PayloadLimitError"]
 
 
 class PayloadError(ValueError):
@@ -11,5 +11,11 @@ class PayloadError(ValueError):
     :func:`fedddl.compression.decode_update` raises only this type for bad
     input, and its message names the problem (truncation, wrong magic or
     version, CRC mismatch, invalid code, shape/length mismatch, non-finite
-    scale, repeated name, unknown dtype, trailing bytes, ...).
+    scale, repeated name, unknown dtype, trailing bytes, ...); a message over a
+    decoder's limits raises the subclass :class:`PayloadLimitError`.
     """
+
+
+class PayloadLimitError(PayloadError):
+    """An encoded update declares more tensors, values or bytes than the decoder's limit
+    (its message names the limit and the keyword that raises it)."""

@@ -3,9 +3,17 @@
 
 :mod:`.layout` holds the byte layout; :mod:`.encode` writes it, :mod:`.header` checks it,
 :mod:`.decode` turns checked data into tensors, :mod:`.opened` keeps what was checked.
-Every malformed message is a :class:`~fedddl.compression.PayloadError`.
+Every malformed message, and one over the decoder's limits
+(:mod:`fedddl.compression.codecs.limits`), is a :class:`~fedddl.compression.PayloadError`.
 """
 
+from fedddl.compression.codecs.limits import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_TENSORS,
+    DEFAULT_MAX_VALUES,
+    DecodeLimits,
+    limits_for,
+)
 from fedddl.compression.codecs.wire.decode import decode_update
 from fedddl.compression.codecs.wire.encode import encode_update
 from fedddl.compression.codecs.wire.layout import (
@@ -25,17 +33,22 @@ from fedddl.compression.codecs.wire.opened import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_BYTES",
+    "DEFAULT_MAX_TENSORS",
+    "DEFAULT_MAX_VALUES",
     "FORMAT_VERSION",
     "MAGIC",
     "MAX_DIM",
     "MAX_NAME_BYTES",
     "MAX_NDIM",
     "MAX_TENSORS",
+    "DecodeLimits",
     "EntryHeader",
     "OpenedMessage",
     "decode_small_batch",
     "decode_update",
     "encode_update",
+    "limits_for",
     "open_message",
     "read_header",
 ]

@@ -24,6 +24,12 @@ from fedddl.compression.backends.unpacking import (
     unpack_codes_new,
 )
 from fedddl.compression.codecs.errors import PayloadError
+from fedddl.compression.codecs.limits import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_TENSORS,
+    DEFAULT_MAX_VALUES,
+    limits_for,
+)
 from fedddl.compression.codecs.wire.header import Layout, as_view, validated_entries
 from fedddl.compression.codecs.wire.layout import (
     CODEC_OF_KIND,
@@ -31,7 +37,7 @@ from fedddl.compression.codecs.wire.layout import (
     Entry,
 )
 
-__all__ = ["check_out", "decode_layout", "decode_update", "fits_small_path"]
+__all__ = ["check_out", "decode_layout", "decode_update", "fits_small_path", "resolve_limits"]
 
 def check_out(
     out: Mapping[str, torch.Tensor],
@@ -89,25 +95,54 @@ def decode_update(
     data: bytes | bytearray | memoryview,
     *,
     out: Mapping[str, torch.Tensor] | None = None,
-    max_bytes: int | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
     max_tensors: int | None = None,
+    max_values: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Decode a message of :func:`encode_update` into tensors by name, in message order.
 
     Without ``out``: new tensors with the original shapes and dtypes that own their memory.
     With ``out`` (exactly the message's names and shapes; any supported floating dtype and
     device, values cast): decoded in place and returned; ternary entries for tensors off the
-    CPU cross as packed bytes and are unpacked there. ``max_bytes`` / ``max_tensors`` refuse
-    a longer message, or one declaring more tensors, before anything else is read (as in
-    :func:`read_header`).
+    CPU cross as packed bytes and are unpacked there.
+
+    Limits, checked before anything is allocated or decompressed: a message longer than
+    ``max_bytes`` (an entropy-coded body larger than it), or declaring more than
+    ``max_tensors`` tensors or ``max_values`` values in all, is refused. ``None`` means
+    :data:`~fedddl.compression.codecs.limits.DEFAULT_MAX_TENSORS` (4,096) and
+    :data:`~fedddl.compression.codecs.limits.DEFAULT_MAX_VALUES` (2**26), or ``out``'s own
+    count and values where larger; pass larger ones for a larger model
+    (``**limits_for(model)``).
 
     Raises
     ------
     PayloadError
-        For any malformed input or a message that does not match ``out`` (naming the
-        problem); nothing is returned, and nothing in ``out`` written.
+        For any malformed input, a message over a limit (naming it) or one that does not
+        match ``out`` (naming the problem); nothing is returned, and nothing in ``out``
+        written.
     """
-    return decode_layout(Layout(*validated_entries(as_view(data, max_bytes), max_tensors)), out)
+    tensors, values = resolve_limits(out, max_tensors, max_values)
+    layout = Layout(*validated_entries(as_view(data, max_bytes), tensors, values, max_bytes))
+    return decode_layout(layout, out)
+
+
+def resolve_limits(
+    like: Mapping[str, torch.Tensor] | None, max_tensors: int | None, max_values: int | None
+) -> tuple[int, int]:
+    """``(max_tensors, max_values)`` with each None replaced by the default, or by ``like``'s
+    count and values where ``like`` is given and larger."""
+    if like is not None:
+        if not isinstance(like, Mapping):
+            raise TypeError(f"out must be a mapping of names to tensors, got {type(like).__name__}")
+        own = limits_for(like)
+        return (
+            max(own["max_tensors"], DEFAULT_MAX_TENSORS) if max_tensors is None else max_tensors,
+            max(own["max_values"], DEFAULT_MAX_VALUES) if max_values is None else max_values,
+        )
+    return (
+        DEFAULT_MAX_TENSORS if max_tensors is None else max_tensors,
+        DEFAULT_MAX_VALUES if max_values is None else max_values,
+    )
 
 
 def decode_layout(

@@ -10,8 +10,9 @@ from typing import Any
 
 from fedddl.compression.backends.parallel import crc32_threaded
 from fedddl.compression.codecs.entropy import MAGIC as ENTROPY_MAGIC
-from fedddl.compression.codecs.entropy import open_entropy_coded
-from fedddl.compression.codecs.errors import PayloadError
+from fedddl.compression.codecs.entropy import EntropyFrame, check_entropy_coded
+from fedddl.compression.codecs.errors import PayloadError, PayloadLimitError
+from fedddl.compression.codecs.limits import check_limit
 from fedddl.compression.codecs.wire.layout import (
     COUNT,
     DTYPE_OF_CODE,
@@ -37,6 +38,9 @@ from fedddl.compression.codecs.wire.layout import (
 from fedddl.framing import CRC, check_crc, check_magic
 
 __all__ = ["Layout", "as_view", "validated_entries"]
+
+#: The longest header an entry can have: name length, name, dtype, kind, ndim, dims, scale.
+MAX_ENTRY = NAME_LENGTH.size + MAX_NAME_BYTES + ENTRY_CODES.size + 8 * MAX_NDIM + SCALE.size
 
 class _Reader:
     """Bounds-checked sequential reads of the header.
@@ -66,10 +70,11 @@ class _Reader:
         return layout.unpack_from(self.data, self._advance(layout.size, what, args))
 
 
-def _check_prefix(view: memoryview) -> int:
+def _read_prefix(view: memoryview) -> int:
+    """The tensor count, after checking the magic, the version and the length."""
     if len(view) < PREFIX.size + CRC.size:
         raise PayloadError(f"truncated: {len(view)} bytes is shorter than the fixed header")
-    magic, version, flags, count, total = PREFIX.unpack_from(view)
+    magic, version, _, count, total = PREFIX.unpack_from(view)
     check_magic(
         "compressed update",
         magic,
@@ -82,6 +87,11 @@ def _check_prefix(view: memoryview) -> int:
         raise PayloadError(f"truncated: header declares {total} bytes, got {len(view)}")
     if len(view) > total:
         raise PayloadError(f"{len(view) - total} trailing bytes after the declared {total}")
+    return int(count)
+
+
+def _check_crc_and_flags(view: memoryview) -> None:
+    total = len(view)
     (crc,) = CRC.unpack_from(view, total - CRC.size)
     check_crc(
         "compressed update",
@@ -90,9 +100,31 @@ def _check_prefix(view: memoryview) -> int:
         error=PayloadError,
         checksum=crc32_threaded,  # large messages on the threads
     )
+    flags = PREFIX.unpack_from(view)[2]
     if flags != 0:
         raise PayloadError(f"unknown flags {flags:#x}")
-    return int(count)
+
+
+def _within_limits(
+    view: memoryview, count: int, start: int, end: int, max_tensors: int, max_values: int
+) -> tuple[list[Entry], int] | None:
+    """The entries of a message not yet checked against its CRC, or None if they are
+    malformed (the CRC check then says whether they are corrupt).
+
+    Raises
+    ------
+    PayloadLimitError
+        If the header declares more than ``max_tensors`` tensors or ``max_values`` values.
+    """
+    if count * MIN_ENTRY > end - start:
+        return None  # an implausible count: corrupt or hostile, the checks after the CRC say
+    check_limit(count, max_tensors, "tensors", "max_tensors")
+    try:
+        return _parse_entries(view, count, start, end, max_values)
+    except PayloadLimitError:
+        raise
+    except PayloadError:
+        return None
 
 
 def _check_count(count: int, body_size: int) -> None:
@@ -101,10 +133,11 @@ def _check_count(count: int, body_size: int) -> None:
 
 
 def _parse_entries(
-    view: memoryview, count: int, start: int, end: int
+    view: memoryview, count: int, start: int, end: int, max_values: int
 ) -> tuple[list[Entry], int]:
     reader = _Reader(view, start, end)
     entries = []
+    values = 0
     seen: set[str] = set()
     for index in range(count):
         (name_length,) = reader.unpack(NAME_LENGTH, "name length of entry {}", index)
@@ -129,6 +162,8 @@ def _parse_entries(
             raise PayloadError(f"tensor {name!r}: a dimension of {shape} exceeds {MAX_DIM}")
         if math.prod(dim for dim in shape if dim) > MAX_SPAN:  # torch's strides fit int64
             raise PayloadError(f"tensor {name!r}: shape {shape} spans more than 2**62 values")
+        values += math.prod(shape)
+        check_limit(values, max_values, f"values (by tensor {name!r})", "max_values")
         scale = 0.0
         if kind != KIND_DENSE:
             (raw_scale,) = reader.unpack(SCALE, "scale of {!r}", name)
@@ -150,7 +185,7 @@ class Layout:
     start: int
     sizes: list[int]
 
-def as_view(data: bytes | bytearray | memoryview, max_bytes: int | None = None) -> memoryview:
+def as_view(data: bytes | bytearray | memoryview, max_bytes: int) -> memoryview:
     """``data`` as a flat byte view, refused when longer than ``max_bytes``."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise PayloadError(f"expected bytes, got {type(data).__name__}")
@@ -158,30 +193,53 @@ def as_view(data: bytes | bytearray | memoryview, max_bytes: int | None = None) 
         view = memoryview(data).cast("B")
     except TypeError as error:
         raise PayloadError(f"data is not a flat byte buffer: {error}") from None
-    if max_bytes is not None and len(view) > max_bytes:
-        raise PayloadError(f"message of {len(view)} bytes exceeds the limit of {max_bytes}")
+    if len(view) > max_bytes:
+        raise PayloadLimitError(
+            f"message of {len(view)} bytes exceeds the limit of {max_bytes} "
+            f"(max_bytes; pass a larger max_bytes= to accept more)"
+        )
     return view
 
 
+def _check_entropy_head(frame: EntropyFrame, max_tensors: int, max_values: int) -> None:
+    """Refuse an entropy-coded body over ``max_tensors`` / ``max_values`` from the start of
+    its body, the entries' headers, before the rest (the tensors' data) is decompressed."""
+    (count,) = COUNT.unpack_from(frame.head(COUNT.size))
+    check_limit(count, max_tensors, "tensors", "max_tensors")
+    head = frame.head(COUNT.size + count * MAX_ENTRY)
+    _parse_entries(head, count, COUNT.size, len(head), max_values)
+
+
 def validated_entries(
-    view: memoryview, max_tensors: int | None = None
+    view: memoryview, max_tensors: int, max_values: int, max_bytes: int
 ) -> tuple[memoryview, list[Entry], int, list[int]]:
     """The body holding the entries, the checked entries, where their data starts in the
-    body, and each entry's data size (plain ``FDTQ`` or entropy-coded ``FDTE`` messages)."""
+    body, and each entry's data size (plain ``FDTQ`` or entropy-coded ``FDTE`` messages).
+
+    Refuses, before allocating anything for the entries, a message declaring more than
+    ``max_tensors`` tensors or ``max_values`` values, or an entropy-coded body of more than
+    ``max_bytes`` bytes (before decompressing it)."""
     if bytes(view[: len(ENTROPY_MAGIC)]) == ENTROPY_MAGIC:
-        body = open_entropy_coded(view)  # at most MAX_EXPANSION x the message size
-        if len(body) < COUNT.size:
-            raise PayloadError(f"entropy-coded body of {len(body)} bytes has no tensor count")
+        frame = check_entropy_coded(view, max_bytes)  # also <= MAX_EXPANSION x the message
+        if frame.size < COUNT.size:
+            raise PayloadError(f"entropy-coded body of {frame.size} bytes has no tensor count")
+        _check_entropy_head(frame, max_tensors, max_values)
+        body = frame.body()
         (count,) = COUNT.unpack_from(body)
         start, end = COUNT.size, len(body)
+        parsed = None
     else:
         body = view
-        count = _check_prefix(view)
+        count = _read_prefix(view)
         start, end = PREFIX.size, len(view) - CRC.size
-    if max_tensors is not None and count > max_tensors:
-        raise PayloadError(f"message declares {count} tensors, at most {max_tensors} expected")
+        # the limits first: a message over them is refused before its CRC is computed
+        parsed = _within_limits(view, count, start, end, max_tensors, max_values)
+        _check_crc_and_flags(view)
     _check_count(count, end - start)
-    entries, data_start = _parse_entries(body, count, start, end)
+    check_limit(count, max_tensors, "tensors", "max_tensors")
+    if parsed is None:
+        parsed = _parse_entries(body, count, start, end, max_values)
+    entries, data_start = parsed
     sizes = [data_size(dtype, kind, math.prod(shape)) for _, dtype, kind, shape, _ in entries]
     available = end - data_start
     if sum(sizes) != available:

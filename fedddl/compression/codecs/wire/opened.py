@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -15,7 +16,13 @@ import torch
 from fedddl.compression.backends.packing import invalid_code_rows
 from fedddl.compression.backends.unpacking import is_small, unpack_code_rows
 from fedddl.compression.codecs.errors import PayloadError
-from fedddl.compression.codecs.wire.decode import check_out, decode_layout, fits_small_path
+from fedddl.compression.codecs.limits import DEFAULT_MAX_BYTES
+from fedddl.compression.codecs.wire.decode import (
+    check_out,
+    decode_layout,
+    fits_small_path,
+    resolve_limits,
+)
 from fedddl.compression.codecs.wire.header import Layout, as_view, validated_entries
 from fedddl.compression.codecs.wire.layout import (
     CODEC_OF_KIND,
@@ -66,8 +73,9 @@ class EntryHeader:
 def read_header(
     data: bytes | bytearray | memoryview,
     *,
-    max_bytes: int | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
     max_tensors: int | None = None,
+    max_values: int | None = None,
     dense_peaks: bool = False,
 ) -> list[EntryHeader]:
     """Read and check a message's header without decoding (or allocating) any tensor.
@@ -76,26 +84,32 @@ def read_header(
     version, length, CRC, flags, every entry (names, dtypes, kinds, shapes, scales) and that
     the declared data sizes add up to the bytes present; code values are not read. An
     entropy-coded message is decompressed first (to at most
-    :data:`fedddl.compression.codecs.entropy.MAX_EXPANSION` times its size). ``max_bytes`` /
-    ``max_tensors`` refuse a longer message, or one declaring more tensors, first;
-    ``dense_peaks`` also reads the dense entries' values for :attr:`EntryHeader.peak`.
-    Returns the entries in message order.
+    :data:`fedddl.compression.codecs.entropy.MAX_EXPANSION` times its size, and to at most
+    ``max_bytes``). ``max_bytes`` / ``max_tensors`` / ``max_values`` refuse a longer message,
+    or one declaring more tensors or values, as in :func:`decode_update` (None: the
+    defaults); ``dense_peaks`` also reads the dense entries' values for
+    :attr:`EntryHeader.peak`. Returns the entries in message order.
 
     Raises
     ------
     PayloadError
-        For any malformed header, a message over ``max_bytes`` / ``max_tensors``, or (with
+        For any malformed header, a message over a limit (naming it), or (with
         ``dense_peaks``) a non-finite dense value.
     """
     return open_message(
-        data, max_bytes=max_bytes, max_tensors=max_tensors, dense_peaks=dense_peaks
+        data,
+        max_bytes=max_bytes,
+        max_tensors=max_tensors,
+        max_values=max_values,
+        dense_peaks=dense_peaks,
     ).entries
 
 def open_message(
     data: bytes | bytearray | memoryview,
     *,
-    max_bytes: int | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
     max_tensors: int | None = None,
+    max_values: int | None = None,
     dense_peaks: bool = False,
 ) -> OpenedMessage:
     """Read and check a message's header (as :func:`read_header`) and keep what decoding
@@ -108,7 +122,8 @@ def open_message(
         As :func:`read_header`.
     """
     view = as_view(data, max_bytes)
-    body, parsed, start, sizes = validated_entries(view, max_tensors)
+    tensors, values = resolve_limits(None, max_tensors, max_values)
+    body, parsed, start, sizes = validated_entries(view, tensors, values, max_bytes)
     entries = []
     offset = start
     for (name, dtype, kind, shape, scale), size in zip(parsed, sizes, strict=True):
@@ -156,7 +171,10 @@ class OpenedMessage:
         """
         layout = self._layout
         if not self._stable:
-            layout = Layout(*validated_entries(as_view(self._data)))
+            entries = self._layout.entries
+            values = sum(math.prod(shape) for _, _, _, shape, _ in entries)
+            view = as_view(self._data, sys.maxsize)  # its size was checked at opening
+            layout = Layout(*validated_entries(view, len(entries), values, len(view)))
             if layout.entries != self._layout.entries:
                 raise PayloadError("the message's header changed after it was read")
         return decode_layout(layout, out)
