@@ -12,6 +12,7 @@ nothing here raises on a reply's content.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -123,6 +124,18 @@ def _finite(array: Array) -> bool:
         return False
 
 
+#: A delta scale below ``RELATIVE_FLOOR × max|w| + ABSOLUTE_FLOOR`` of its tensor ``w`` is
+#: never over the bound: a tensor that does not learn (a bias before BatchNorm) has deltas
+#: of float noise, whose median says nothing.
+RELATIVE_FLOOR, ABSOLUTE_FLOOR = 1e-3, 1e-6
+
+
+def scale_floor(tensor: torch.Tensor) -> float:
+    """The smallest scale bound of ``tensor``'s deltas (see :data:`RELATIVE_FLOOR`)."""
+    peak = float(tensor.detach().abs().max()) if tensor.numel() else 0.0
+    return RELATIVE_FLOOR * peak + ABSOLUTE_FLOOR if math.isfinite(peak) else ABSOLUTE_FLOOR
+
+
 class DeltaAdmission:
     """What each node holds, and the admission of its replies (see the module docstring).
 
@@ -182,6 +195,7 @@ class DeltaAdmission:
             batchnorm={},
             scale_bound=self.scale_bound,
             code_scales=None,
+            scale_floors={n: scale_floor(t) for n, t in floats.items()},
         )
         screened = self._admission.screen(replies, rules, report)
         scratch = {n: torch.empty_like(t) for n, t in floats.items()}

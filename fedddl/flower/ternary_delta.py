@@ -29,11 +29,11 @@ accumulates in the global model.
 model before any value is decoded, the scale bound, finiteness. A plain reply (a node
 without the mod) must have the sent model's layout and finite values. A reply that fails
 is replaced by an error reply naming the node and the reason (the wrapped strategy counts
-it as a failure) and that node gets the whole model next time; a clipped reply is
-aggregated clipped. An aggregate that is not finite is not adopted: the round keeps the
-previous model. The wrapper never raises on a reply. Nodes without the mod (no
-``"fedddl.ternary"`` record) get the wrapped strategy's messages unchanged after their
-first reply; messages that carry no model (e.g. queries) pass through unchanged.
+it as a failure) and that node gets the whole model next time. An aggregate that is not
+finite is not adopted: the round keeps the previous model. The wrapper never raises on a
+reply. Nodes without the mod (no ``"fedddl.ternary"`` record) get the wrapped strategy's
+messages unchanged after their first reply; messages that carry no model (e.g. queries)
+pass through unchanged.
 """
 
 from __future__ import annotations
@@ -106,7 +106,10 @@ class TernaryDelta(Strategy):
         Encoded downlink deltas kept for nodes that missed rounds.
     scale_bound, scale_bound_action, scale_bound_rounds : float, str, int
         The bound on each reply's delta scales (:class:`~fedddl.sync.scale_bound.ScaleBound`:
-        ``factor`` × the median of the round's and the last rounds' scales; 0: off).
+        ``factor`` × the median of this round's and the last ``rounds`` rounds' scales;
+        0: off). A reply over it is dropped by default: clipped, it would still weigh up to
+        ``factor`` × an honest reply in the wrapped strategy's mean. Model deltas change
+        size as training goes, so only the round's own replies set the median by default.
     seed : int
         Seed of the compressors' stochastic rounding.
     """
@@ -121,8 +124,8 @@ class TernaryDelta(Strategy):
         downlink: bool = True,
         update_log_size: int = 4,
         scale_bound: float = 8.0,
-        scale_bound_action: str = "clip",
-        scale_bound_rounds: int = 10,
+        scale_bound_action: str = "drop",
+        scale_bound_rounds: int = 0,
         seed: int = 0,
     ) -> None:
         super().__init__()
