@@ -19,9 +19,13 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
 from fedddl.compression import OpenedMessage
 from fedddl.flower import TernaryDelta, ternary_mod
+from fedddl.flower.delta_admission import DeltaAdmission
 from fedddl.flower.delta_protocol import DELTA, DELTA_KEY, META
 from fedddl.flower.inline_grid import InlineGrid
 from fedddl.flower.records import array_to_bytes, bytes_to_array
+from fedddl.sync.messages import ClientReply
+from fedddl.sync.report import RoundReport
+from fedddl.sync.scale_bound import ScaleBound
 from tests.test_flower_ternary_delta import NODES, _client_app, _fedavg, _net, _run
 
 VICTIM = 1001
@@ -241,3 +245,28 @@ def test_a_plain_reply_of_another_layout_is_refused() -> None:
     assert result.arrays is not None and all(_finite(a) for a in seen)
     assert sum(strategy.dropped.values()) == 1
     assert isinstance(result.train_metrics_clientapp[1], MetricRecord)
+
+
+def test_a_reply_of_65536_tensors_under_the_size_limit_is_refused_from_its_prefix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """For a model large enough that 1.5 MB is a plausible reply, the tensor count refuses
+    it before any entry is parsed."""
+    decoded: list[int] = []
+    monkeypatch.setattr(OpenedMessage, "decode", lambda self, out=None: decoded.append(1))
+    admission = DeltaAdmission(ScaleBound())
+    floats = {"w": torch.zeros(1000, 1000), "b": torch.zeros(1000)}
+    admission.nodes.sent(VICTIM, 1, "ternary-threshold-base3")
+    payload = _many_tensors(b"")
+    report = RoundReport(1)
+    started = time.perf_counter()
+    admitted = list(
+        admission.admit(
+            [ClientReply(VICTIM, 1, "", payload, 0, math.nan)],
+            floats, 1, "ternary-threshold-base3", 2.5, report,
+        )
+    )  # fmt: skip
+    elapsed = time.perf_counter() - started
+    assert admitted == [] and not decoded and elapsed < 1.0, elapsed
+    assert len(payload) > 1_400_000 and "65536 tensors" in report.dropped[VICTIM], report.dropped
+    assert admission.held(VICTIM) == -1  # it gets the whole model next time
