@@ -9,14 +9,15 @@ Wrap any Flower :class:`~flwr.serverapp.strategy.Strategy`; add
     strategy = TernaryDelta(FedAvg(fraction_train=0.5))
     result = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=10)
 
-**Downlink.** Whenever the wrapped strategy hands out a new global model, the wrapper
-moves its *broadcast model* (what the clients hold) towards it by one ternary-encoded
-delta: the whole gap between the new global model and the broadcast model, so what one
-delta could not carry is sent with the next (error feedback without a residual). It
-keeps the last ``update_log_size`` encoded deltas. A node that holds a recent version
-receives only the deltas it misses (the training and evaluation messages of one round
-share one delta); a new node, one further behind, or one whose last reply failed gets
-the whole broadcast model. The first round is therefore full size.
+**Downlink** (:mod:`fedddl.flower.delta_broadcast`). Whenever the wrapped strategy hands
+out a new global model, the wrapper moves its *broadcast model* (what the clients hold)
+towards it by one ternary-encoded delta: the whole gap between the new global model and
+the broadcast model, so what one delta could not carry is sent with the next (error
+feedback without a residual). It keeps the last ``update_log_size`` encoded deltas. A
+node that holds a recent version receives only the deltas it misses (the training and
+evaluation messages of one round share one delta); a new node, one further behind, or one
+whose last reply failed gets the whole broadcast model. The first round is therefore full
+size.
 
 **Uplink.** The mod encodes each reply's model as ``reply - broadcast model`` (with a
 client-side residual memory for error feedback); the wrapper decodes it and adds it to
@@ -43,13 +44,13 @@ from collections.abc import Iterable
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedddl.compression import decode_update, encode_update, make_compressor
+from fedddl.compression import make_compressor
 from fedddl.flower.delta_admission import (
     DeltaAdmission,
     Layout,
@@ -57,21 +58,8 @@ from fedddl.flower.delta_admission import (
     layout_of,
     parse_delta_reply,
 )
-from fedddl.flower.delta_protocol import (
-    DELTA,
-    META,
-    UPDATES,
-    Broadcast,
-    SplitModel,
-    digest,
-    join_model,
-    same_layout,
-    split_model,
-    update_key,
-)
-from fedddl.flower.records import bytes_to_array
-from fedddl.replica import CatchUp, UpdateLog, plan_catch_up
-from fedddl.seeding import derive_seed
+from fedddl.flower.delta_broadcast import DeltaBroadcast
+from fedddl.flower.delta_protocol import DELTA, META, join_model, same_layout
 from fedddl.sync.errors import PayloadRejected, ReplyError
 from fedddl.sync.messages import ClientReply, ParseFailure
 from fedddl.sync.report import RoundReport
@@ -143,7 +131,9 @@ class TernaryDelta(Strategy):
         self.downlink = downlink
         self.update_log_size = update_log_size
         self.seed = seed
-        self.version = 0
+        self.broadcast = DeltaBroadcast(
+            compressor, clip_sigma, error_feedback, downlink, update_log_size, seed
+        )
         #: Dropped replies by the kind of error; clipped replies by node; the rounds whose
         #: aggregate was not finite; the last exchange's report.
         self.dropped: dict[str, int] = {}
@@ -153,14 +143,6 @@ class TernaryDelta(Strategy):
         self.admission = DeltaAdmission(
             ScaleBound(scale_bound, scale_bound_action, scale_bound_rounds)
         )
-        self._names: list[str] = []
-        self._floats: dict[str, torch.Tensor] = {}
-        self._exact: dict[str, torch.Tensor] = {}
-        self._others: dict[str, Array] = {}
-        self._layout: Layout = {}
-        self._digest = ""
-        self._target = ""
-        self._log = UpdateLog(update_log_size)
         self._plain: set[int] = set()
         self._sent: dict[int, tuple[Message, str, Layout]] = {}
 
@@ -219,45 +201,14 @@ class TernaryDelta(Strategy):
         return self.strategy.aggregate_evaluate(server_round, self._incoming(server_round, replies))
 
     # ------------------------------------------------------------------ downlink
+    @property
+    def version(self) -> int:
+        """The broadcast model's version (0: none yet)."""
+        return self.broadcast.version
+
     def broadcast_model(self) -> ArrayRecord | None:
         """The model the nodes hold (the last broadcast), as an ArrayRecord."""
-        if not self._names:
-            return None
-        return join_model(self._names, self._floats, self._others)
-
-    def _advance(self, arrays: ArrayRecord) -> None:
-        """Move the broadcast model towards ``arrays`` (once per distinct global model)."""
-        target = split_model(arrays)
-        fingerprint = _fingerprint(target)
-        if fingerprint == self._target:
-            return  # e.g. the evaluation and the next training of one global model
-        self._target = fingerprint
-        layout = layout_of(arrays)
-        fresh = not self._names or layout != self._layout or not self.downlink
-        self._layout, self._others, self._exact = layout, target.others, target.floats
-        if not fresh:
-            # the whole gap: what earlier deltas could not carry is part of it
-            delta = {n: target.floats[n] - self._floats[n] for n in self._floats}
-            compressor = make_compressor(
-                self.compressor,
-                seed=derive_seed(self.seed, 0x5E4D, self.version + 1),
-                clip_sigma=self.clip_sigma,
-            )
-            try:
-                payload = encode_update(delta, compressor)
-            except ValueError as err:  # e.g. a non-finite model: send it whole
-                log(_WARNING, "TernaryDelta sends the whole model: %s", err)
-                fresh = True
-            else:
-                decoded = decode_update(payload)  # exactly what every client will add
-                self._floats = {n: self._floats[n] + decoded[n] for n in self._floats}
-                self._log.append(self.version + 1, payload)
-        if fresh:
-            self._names = target.names
-            self._floats = {n: t.clone() for n, t in target.floats.items()}
-            self._log.clear()
-        self.version += 1
-        self._digest = digest(self._floats)
+        return self.broadcast.model()
 
     def _outgoing(self, messages: Iterable[Message], arrays: ArrayRecord) -> list[Message]:
         out = []
@@ -271,43 +222,11 @@ class TernaryDelta(Strategy):
             layout = layout_of(arrays) if layout is None else layout
             self._sent[node] = (message, key, layout)
             if node not in self._plain:
-                self._advance(arrays)
-                message.content = self._content_for(node, message.content, key)
+                self.broadcast.advance(arrays)
+                held = self.admission.held(node)
+                message.content = self.broadcast.content_for(held, message.content, key)
                 self.admission.nodes.sent(node, self.version, self.compressor)
             out.append(message)
-        return out
-
-    def _content_for(self, node: int, content: RecordDict, key: str) -> RecordDict:
-        held = self.admission.held(node)
-        catch_up = (
-            plan_catch_up(held, self.version, self._log)
-            if self.downlink
-            else CatchUp("snapshot", [])
-        )
-        delta = catch_up.kind != "snapshot"
-        out = RecordDict()
-        for name, record in content.items():
-            if name == key:
-                record = (
-                    ArrayRecord(dict(self._others))  # type: ignore[arg-type]
-                    if delta
-                    else join_model(self._names, self._floats, self._others)
-                )
-            out[name] = record
-        if delta:
-            updates = {update_key(v): bytes_to_array(p) for v, p in catch_up.updates}
-            out[UPDATES] = ArrayRecord(updates)  # type: ignore[arg-type]
-        out[META] = Broadcast(
-            record=key,
-            names=list(self._names),
-            version=self.version,
-            base=held if delta else -1,
-            digest=self._digest,
-            compressor=self.compressor,
-            clip_sigma=self.clip_sigma,
-            error_feedback=self.error_feedback,
-            seed=self.seed,
-        ).to_record()
         return out
 
     # ------------------------------------------------------------------ uplink
@@ -320,7 +239,8 @@ class TernaryDelta(Strategy):
         sent: dict[int, Message] = {}
         compressed: list[ClientReply | ParseFailure] = []
         position: dict[int, tuple[int, str | None]] = {}
-        others = {n: self._layout[n] for n in self._others}
+        broadcast = self.broadcast
+        others = {n: broadcast.layout[n] for n in broadcast.others}
         for index, reply in enumerate(replies):
             node = reply.metadata.src_node_id
             instruction = self._sent.pop(node, None)
@@ -373,11 +293,12 @@ class TernaryDelta(Strategy):
     ) -> None:
         """Admit the compressed replies; each admitted one becomes the wrapped strategy's
         model plus its delta."""
+        broadcast = self.broadcast
         admitted = self.admission.admit(
-            compressed, self._floats, self.version, self.compressor, self.clip_sigma, report
+            compressed, broadcast.floats, self.version, self.compressor, self.clip_sigma, report
         )
         for node, delta in admitted:
-            weights = {n: self._exact[n] + delta[n] for n in self._floats}
+            weights = {n: broadcast.exact[n] + delta[n] for n in broadcast.floats}
             bad = next((n for n, w in weights.items() if not bool(torch.isfinite(w).all())), None)
             if bad is not None:
                 self.admission.refuse(report, node, PayloadRejected(
@@ -388,7 +309,7 @@ class TernaryDelta(Strategy):
             index, record = position[node]
             sent = replies[index].content.get(record or "")
             assert isinstance(sent, ArrayRecord)  # parse_delta_reply checked it
-            model = join_model(self._names, weights, dict(sent.items()))
+            model = join_model(broadcast.names, weights, dict(sent.items()))
             out[index] = _without_ours(replies[index], record, model)
 
     def _account(
@@ -451,14 +372,6 @@ def _model_key(message: Message, arrays: ArrayRecord) -> str | None:
         if same_layout(record, arrays):
             return key
     return None
-
-
-def _fingerprint(model: SplitModel) -> str:
-    """The fingerprint of a whole model: its float tensors and its other Arrays."""
-    tensors = dict(model.floats)
-    for name, array in model.others.items():
-        tensors[name] = torch.from_numpy(np.array(array.numpy(), copy=True))
-    return digest(tensors)
 
 
 def _non_finite_array(arrays: ArrayRecord) -> str | None:
