@@ -41,8 +41,8 @@ from fedddl.flower.records import (
     bytes_to_array,
     pack_tensors,
     record_of,
-    record_to_tensors,
-    tensors_to_record,
+    save_residuals,
+    saved_residuals,
     unpack_tensors,
 )
 from fedddl.lr_decay import NO_DECAY, StepDecay
@@ -144,8 +144,7 @@ def load_state(
         If the records are malformed.
     """
     meta = record_of(state, META_KEY, ConfigRecord)
-    residual = record_of(state, RESIDUAL_KEY, ArrayRecord)
-    residuals = record_to_tensors(residual) if residual is not None else {}
+    residuals = saved_residuals(state, RESIDUAL_KEY)
     snapshot = record_of(state, REPLICA_KEY, ArrayRecord)
     if meta is None:
         return WorkerState(None, None, ResidualMemory(residuals))
@@ -294,9 +293,7 @@ def save_state(
     ``snapshot_dir`` a snapshot is written there (:mod:`clients.snapshot_files`) instead of
     into ``context.state``, which then names it.
     """
-    residuals = client.memory.residuals
-    if residuals:
-        state[RESIDUAL_KEY] = tensors_to_record(residuals)
+    save_residuals(state, RESIDUAL_KEY, client.memory.residuals)
     replica = client.replica
     if replica is None:
         return

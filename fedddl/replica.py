@@ -313,6 +313,10 @@ class UpdateLog:
         """Version produced by the oldest kept update, or None when empty."""
         return next(iter(self._entries)) if self._entries else None
 
+    def clear(self) -> None:
+        """Forget every kept update (the next one appended may start anywhere)."""
+        self._entries.clear()
+
     def since(self, version: int) -> list[tuple[int, bytes]]:
         """Return the kept updates producing versions ``> version``, oldest first."""
         return [(v, p) for v, p in self._entries.items() if v > version]

@@ -34,8 +34,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordD
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode
 
-from fedddl.compression import ResidualMemory, decode_update, encode_update, limits_for
-from fedddl.compression.algorithms.registry import make_compressor
+from fedddl.compression import ResidualMemory, encode_update, make_compressor
 from fedddl.flower.delta_protocol import (
     DELTA,
     DELTA_KEY,
@@ -50,8 +49,17 @@ from fedddl.flower.delta_protocol import (
     split_model,
     update_key,
 )
-from fedddl.flower.records import array_to_bytes, bytes_to_array, pack_tensors, unpack_tensors
+from fedddl.flower.records import (
+    array_to_bytes,
+    bytes_to_array,
+    pack_tensors,
+    save_residuals,
+    saved_residuals,
+    unpack_tensors,
+)
 from fedddl.seeding import derive_seed
+from fedddl.sync.errors import PayloadRejected
+from fedddl.sync.screening import PayloadSpec
 
 __all__ = ["STATE_MODEL", "STATE_RESIDUAL", "ternary_mod"]
 
@@ -63,7 +71,6 @@ STATE_MODEL = "fedddl.ternary.model"
 STATE_MODEL_LAYOUT = "fedddl.ternary.model-layout"
 STATE_META = "fedddl.ternary.state"
 STATE_RESIDUAL = "fedddl.ternary.residual"
-STATE_RESIDUAL_LAYOUT = "fedddl.ternary.residual-layout"
 _BLOB = "blob"
 
 
@@ -125,21 +132,29 @@ def _reach(broadcast: Broadcast, content: RecordDict, state: RecordDict) -> Spli
         if not isinstance(updates, ArrayRecord):
             raise BroadcastError(f"the message has no {UPDATES!r} ArrayRecord")
         floats = held
+        spec = _spec(broadcast, held)
         for version in range(broadcast.base + 1, broadcast.version + 1):
             array = updates.get(update_key(version))
             if array is None:
                 raise BroadcastError(f"the update to version {version} is missing")
-            delta = decode_update(array_to_bytes(array), **limits_for(floats))
-            if list(delta) != list(floats) or any(
-                delta[n].shape != floats[n].shape or delta[n].dtype != floats[n].dtype
-                for n in floats
-            ):
-                raise BroadcastError(f"the update to version {version} does not fit the model")
+            try:  # the header against the model first, as the server screens replies
+                delta = spec.check(array_to_bytes(array), 0).decode()
+            except PayloadRejected as err:
+                raise BroadcastError(f"the update to version {version}: {err}") from err
             floats = {n: floats[n] + delta[n] for n in floats}
         model = SplitModel(broadcast.names, floats, received.others)
     if digest(model.floats) != broadcast.digest:
         raise BroadcastError(f"the model at version {broadcast.version} fails its digest check")
     return model
+
+
+def _spec(broadcast: Broadcast, floats: dict[str, torch.Tensor]) -> PayloadSpec:
+    """What the broadcast's updates of ``floats`` must look like."""
+    return PayloadSpec.for_shapes(
+        {n: tuple(t.shape) for n, t in floats.items()},
+        make_compressor(broadcast.compressor, seed=0, clip_sigma=broadcast.clip_sigma),
+        dtypes={n: t.dtype for n, t in floats.items()},
+    )
 
 
 def _compress_reply(
@@ -155,7 +170,11 @@ def _compress_reply(
         return out
     weights = _reply_floats(reply[key], model)  # type: ignore[arg-type]
     delta = {n: weights[n] - model.floats[n] for n in model.floats}
-    memory = _load_residuals(ctxt.state, delta) if broadcast.error_feedback else None
+    memory = (
+        ResidualMemory(saved_residuals(ctxt.state, STATE_RESIDUAL, delta))
+        if broadcast.error_feedback
+        else None
+    )
     seed = derive_seed(broadcast.seed, ctxt.node_id, broadcast.version)
     try:
         compressor = make_compressor(
@@ -166,7 +185,7 @@ def _compress_reply(
         _log.warning("ternary_mod: reply sent uncompressed: %s", err)
         return _compress_reply_plain(reply, broadcast.version)
     if memory is not None:
-        _save_residuals(ctxt.state, memory.residuals)
+        save_residuals(ctxt.state, STATE_RESIDUAL, memory.residuals)
     for name, record in reply.items():
         if name == key:
             model_record = reply[key]
@@ -259,27 +278,3 @@ def _forget(state: RecordDict) -> None:
     for key in (STATE_MODEL, STATE_MODEL_LAYOUT, STATE_META):
         if key in state:
             del state[key]
-
-
-def _load_residuals(state: RecordDict, like: dict[str, torch.Tensor]) -> ResidualMemory:
-    """The uplink residuals; ones that no longer fit the model are dropped."""
-    record, layout = state.get(STATE_RESIDUAL), state.get(STATE_RESIDUAL_LAYOUT)
-    residuals: dict[str, torch.Tensor] = {}
-    if isinstance(record, ArrayRecord) and isinstance(layout, ConfigRecord) and _BLOB in record:
-        try:
-            saved = unpack_tensors(record[_BLOB], layout)
-        except ValueError:
-            saved = {}
-        residuals = {
-            n: r
-            for n, r in saved.items()
-            if n in like and r.shape == like[n].shape and r.dtype == like[n].dtype
-        }
-    return ResidualMemory(residuals)
-
-
-def _save_residuals(state: RecordDict, residuals: dict[str, torch.Tensor]) -> None:
-    blob, layout = pack_tensors(residuals)
-    state[STATE_RESIDUAL] = ArrayRecord({_BLOB: blob})  # type: ignore[arg-type]
-    state[STATE_RESIDUAL_LAYOUT] = layout
-

@@ -15,7 +15,6 @@ docs/drop-in-compression.md.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+from fedddl.training import tensors_fingerprint
 
 __all__ = [
     "DELTA",
@@ -34,7 +35,6 @@ __all__ = [
     "SplitModel",
     "digest",
     "join_model",
-    "max_payload_bytes",
     "parse_broadcast",
     "parse_reply_meta",
     "same_layout",
@@ -125,20 +125,10 @@ def same_layout(a: ArrayRecord, b: ArrayRecord) -> bool:
     return True
 
 
-def digest(floats: Mapping[str, torch.Tensor]) -> str:
-    """SHA-256 (first 128 bits, hex) of names, dtypes, shapes and values, in order."""
-    h = hashlib.sha256()
-    for name, tensor in floats.items():
-        t = tensor.detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()[:32]
-
-
-def max_payload_bytes(floats: Mapping[str, torch.Tensor]) -> int:
-    """Largest plausible encoded delta of ``floats``: dense float64 plus headers."""
-    values = sum(int(t.numel()) for t in floats.values())
-    return 8 * values + 64 * len(floats) + sum(len(n.encode()) for n in floats) + 1024
+def digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """The first 128 bits (hex) of :func:`fedddl.training.tensors_fingerprint`, the
+    fingerprint TernGrad's replicas are checked with."""
+    return tensors_fingerprint(tensors)[:32]
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@
   :class:`~flwr.app.ArrayRecord` of raw little-endian arrays (``stype = "fedddl.raw"``).
 * :func:`pack_tensors` / :func:`unpack_tensors`: named tensors in *one* byte Array plus a
   :class:`~flwr.app.ConfigRecord` layout (cheap ``context.state`` writes).
+* :func:`saved_residuals` / :func:`save_residuals`: error-feedback residuals in
+  ``context.state`` (one format for TernGrad's clients and ``ternary_mod``).
 * :func:`content_nbytes`: bytes of a :class:`~flwr.app.RecordDict` as serialized by Flower.
 * :func:`record_of`: one record of a given kind by key, without building the filtered
   views (``RecordDict.array_records`` copies every record into a new dict on each access).
@@ -36,6 +38,8 @@ __all__ = [
     "pack_tensors",
     "record_of",
     "record_to_tensors",
+    "save_residuals",
+    "saved_residuals",
     "tensors_to_record",
     "unpack_tensors",
 ]
@@ -223,3 +227,39 @@ def unpack_tensors(array: Array, layout: ConfigRecord) -> dict[str, torch.Tensor
 def content_nbytes(content: RecordDict) -> int:
     """Bytes of ``content`` serialized as Flower's protobuf ``RecordDict``."""
     return int(recorddict_to_proto(content).ByteSize())
+
+
+# ------------------------------------------------------------------ residuals
+def saved_residuals(
+    state: RecordDict, key: str, like: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """The error-feedback residuals :func:`save_residuals` wrote under ``key`` (none: {}).
+
+    With ``like``, only the residuals of its names, shapes and dtypes are returned, and a
+    malformed record reads as none.
+
+    Raises
+    ------
+    ValueError
+        Without ``like``, if the record is malformed.
+    """
+    record = record_of(state, key, ArrayRecord)
+    if record is None:
+        return {}
+    if like is None:
+        return record_to_tensors(record)
+    try:
+        saved = record_to_tensors(record)
+    except ValueError:
+        return {}
+    return {
+        n: r
+        for n, r in saved.items()
+        if n in like and r.shape == like[n].shape and r.dtype == like[n].dtype
+    }
+
+
+def save_residuals(state: RecordDict, key: str, residuals: Mapping[str, torch.Tensor]) -> None:
+    """Write ``residuals`` under ``key`` (nothing when there are none)."""
+    if residuals:
+        state[key] = tensors_to_record(residuals)

@@ -1,7 +1,7 @@
-""":class:`TernaryDelta`: a Flower strategy wrapper that sends and receives ternary model deltas.
+"""``TernaryDelta``: a Flower strategy wrapper that sends and receives ternary model deltas.
 
-Wrap any Flower ``Strategy``; add :func:`fedddl.flower.ternary_mod` to the ClientApp;
-nothing else changes::
+Wrap any Flower :class:`~flwr.serverapp.strategy.Strategy`; add
+:func:`fedddl.flower.ternary_mod` to the ClientApp; nothing else changes::
 
     from flwr.serverapp.strategy import FedAvg
     from fedddl.flower import TernaryDelta
@@ -9,49 +9,61 @@ nothing else changes::
     strategy = TernaryDelta(FedAvg(fraction_train=0.5))
     result = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=10)
 
-Downlink: the broadcast model moves towards each new global model by one ternary delta
-(error feedback without a residual); a node holding a logged version gets only the
-deltas it misses, any other node the whole model. Uplink: a reply's model delta is
-added to the exact global model the wrapped strategy handed out. A compressed reply
-that does not decode, fit, stay finite or answer a version sent becomes an error reply
-naming the reason (never an exception), and that node gets the whole model next.
-Replies and messages without the mod's records pass through unchanged. Details:
-docs/drop-in-compression.md.
+**Downlink** (:mod:`fedddl.flower.delta_broadcast`). Whenever the wrapped strategy hands
+out a new global model, the wrapper moves its *broadcast model* (what the clients hold)
+towards it by one ternary-encoded delta: the whole gap between the new global model and
+the broadcast model, so what one delta could not carry is sent with the next (error
+feedback without a residual). It keeps the last ``update_log_size`` encoded deltas. A
+node that holds a recent version receives only the deltas it misses (the training and
+evaluation messages of one round share one delta); a new node, one further behind, or one
+whose last reply failed gets the whole broadcast model. The first round is therefore full
+size.
+
+**Uplink.** The mod encodes each reply's model as ``reply - broadcast model`` (with a
+client-side residual memory for error feedback); the wrapper decodes it and adds it to
+the *exact* global model the wrapped strategy handed out, so the wrapped strategy sees
+replies as if the clients had trained from its own model, and no downlink error
+accumulates in the global model.
+
+**Untrusted replies.** Compressed replies pass TernGrad's admission pipeline
+(:mod:`fedddl.flower.delta_admission`): version, payload header against the broadcast
+model before any value is decoded, the scale bound, finiteness. A plain reply (a node
+without the mod) must have the sent model's layout and finite values. A reply that fails
+is replaced by an error reply naming the node and the reason (the wrapped strategy counts
+it as a failure) and that node gets the whole model next time. An aggregate that is not
+finite is not adopted: the round keeps the previous model. The wrapper never raises on a
+reply. Nodes without the mod (no ``"fedddl.ternary"`` record) get the wrapped strategy's
+messages unchanged after their first reply; messages that carry no model (e.g. queries)
+pass through unchanged.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-from collections import deque
 from collections.abc import Iterable
 
+import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedddl.compression import PayloadError, decode_update, encode_update, limits_for
-from fedddl.compression.algorithms.registry import make_compressor
-from fedddl.flower.delta_protocol import (
-    DELTA,
-    DELTA_KEY,
-    META,
-    UPDATES,
-    Broadcast,
-    SplitModel,
-    digest,
-    join_model,
-    max_payload_bytes,
-    parse_reply_meta,
-    same_layout,
-    split_model,
-    update_key,
+from fedddl.compression import make_compressor
+from fedddl.flower.delta_admission import (
+    DeltaAdmission,
+    Layout,
+    check_plain_reply,
+    layout_of,
+    parse_delta_reply,
 )
-from fedddl.flower.records import array_to_bytes, bytes_to_array
-from fedddl.seeding import derive_seed
+from fedddl.flower.delta_broadcast import DeltaBroadcast
+from fedddl.flower.delta_protocol import DELTA, META, join_model, same_layout
+from fedddl.sync.errors import PayloadRejected, ReplyError
+from fedddl.sync.messages import ClientReply, ParseFailure
+from fedddl.sync.report import RoundReport
+from fedddl.sync.scale_bound import ScaleBound
 
 __all__ = ["TernaryDelta"]
 
@@ -67,9 +79,9 @@ class TernaryDelta(Strategy):
         The wrapped strategy (FedAvg, FedProx, a DP wrapper, ...): it samples nodes,
         builds the messages and aggregates as usual.
     compressor : str
-        Registered compressor, up and down; the default (deterministic threshold ternary,
-        1.6 bits per value) is contractive, which error feedback needs (why not TernGrad's
-        stochastic ternary: docs/drop-in-compression.md).
+        Registered compressor, up and down. The default, deterministic threshold ternary
+        (base-3 packed), is contractive, which error feedback needs; TernGrad's stochastic
+        ternary (``"ternary-base3"``) is unbiased but its noise accumulates under FedAvg.
     clip_sigma : float
         Ternary clipping of each delta tensor, in standard deviations.
     error_feedback : bool
@@ -80,6 +92,12 @@ class TernaryDelta(Strategy):
         (``False``: every message carries the whole, exact global model).
     update_log_size : int
         Encoded downlink deltas kept for nodes that missed rounds.
+    scale_bound, scale_bound_action, scale_bound_rounds : float, str, int
+        The bound on each reply's delta scales (:class:`~fedddl.sync.scale_bound.ScaleBound`:
+        ``factor`` × the median of this round's and the last ``rounds`` rounds' scales;
+        0: off). A reply over it is dropped by default: clipped, it would still weigh up to
+        ``factor`` × an honest reply in the wrapped strategy's mean. Model deltas change
+        size as training goes, so only the round's own replies set the median by default.
     seed : int
         Seed of the compressors' stochastic rounding.
     """
@@ -93,6 +111,9 @@ class TernaryDelta(Strategy):
         error_feedback: bool = True,
         downlink: bool = True,
         update_log_size: int = 4,
+        scale_bound: float = 8.0,
+        scale_bound_action: str = "drop",
+        scale_bound_rounds: int = 0,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -110,18 +131,20 @@ class TernaryDelta(Strategy):
         self.downlink = downlink
         self.update_log_size = update_log_size
         self.seed = seed
-        self.version = 0
+        self.broadcast = DeltaBroadcast(
+            compressor, clip_sigma, error_feedback, downlink, update_log_size, seed
+        )
+        #: Dropped replies by the kind of error; clipped replies by node; the rounds whose
+        #: aggregate was not finite; the last exchange's report.
         self.dropped: dict[str, int] = {}
-        self._names: list[str] = []
-        self._floats: dict[str, torch.Tensor] = {}
-        self._exact: dict[str, torch.Tensor] = {}
-        self._others: dict[str, Array] = {}
-        self._digest = ""
-        self._target_digest = ""
-        self._log: deque[tuple[int, bytes]] = deque()
-        self._held: dict[int, int] = {}
+        self.clipped: dict[int, int] = {}
+        self.skipped: list[int] = []
+        self.last_report: RoundReport | None = None
+        self.admission = DeltaAdmission(
+            ScaleBound(scale_bound, scale_bound_action, scale_bound_rounds)
+        )
         self._plain: set[int] = set()
-        self._sent: dict[int, tuple[int, Message]] = {}
+        self._sent: dict[int, tuple[Message, str, Layout]] = {}
 
     def __repr__(self) -> str:
         """Name and settings."""
@@ -132,9 +155,11 @@ class TernaryDelta(Strategy):
 
     def summary(self) -> None:
         """Log the settings, then the wrapped strategy's summary."""
+        bound = self.admission.scale_bound
         log(_INFO, "\t├──> TernaryDelta settings:")
         log(_INFO, "\t│\t├── Compressor: %s (clip %.2f σ)", self.compressor, self.clip_sigma)
         log(_INFO, "\t│\t├── Downlink deltas: %s", self.downlink)
+        log(_INFO, "\t│\t├── Scale bound: %g (%s)", bound.factor, bound.action)
         log(_INFO, "\t│\t└── Error feedback: %s", self.error_feedback)
         self.strategy.summary()
 
@@ -149,8 +174,18 @@ class TernaryDelta(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Decode the replies, then aggregate them with the wrapped strategy."""
-        return self.strategy.aggregate_train(server_round, self._incoming(replies))
+        """Admit and decode the replies, aggregate them with the wrapped strategy; an
+        aggregate that is not finite is not adopted (None: Flower keeps the model)."""
+        arrays, metrics = self.strategy.aggregate_train(
+            server_round, self._incoming(server_round, replies)
+        )
+        bad = None if arrays is None else _non_finite_array(arrays)
+        if bad is not None:
+            self.skipped.append(server_round)
+            log(_WARNING, "TernaryDelta skipped round %s: the aggregate's %r is not finite; "
+                "the previous model is kept", server_round, bad)
+            return None, metrics
+        return arrays, metrics
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -163,177 +198,166 @@ class TernaryDelta(Strategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         """Strip this wrapper's records, then aggregate with the wrapped strategy."""
-        return self.strategy.aggregate_evaluate(server_round, self._incoming(replies))
+        return self.strategy.aggregate_evaluate(server_round, self._incoming(server_round, replies))
 
     # ------------------------------------------------------------------ downlink
+    @property
+    def version(self) -> int:
+        """The broadcast model's version (0: none yet)."""
+        return self.broadcast.version
+
     def broadcast_model(self) -> ArrayRecord | None:
         """The model the nodes hold (the last broadcast), as an ArrayRecord."""
-        if not self._names:
-            return None
-        return join_model(self._names, self._floats, self._others)
-
-    def _advance(self, arrays: ArrayRecord) -> None:
-        """Move the broadcast model towards ``arrays`` (once per distinct global model)."""
-        target = split_model(arrays)
-        target_digest = digest(target.floats) + "|" + _others_digest(target)
-        if target_digest == self._target_digest:
-            return  # e.g. the evaluation and the next training of one global model
-        self._target_digest = target_digest
-        fresh = not self._names or not same_layout(
-            arrays, join_model(self._names, self._floats, self._others)
-        )
-        self._others = target.others
-        self._exact = target.floats
-        if fresh or not self.downlink:
-            self._names = target.names
-            self._floats = {n: t.clone() for n, t in target.floats.items()}
-            self._log.clear()
-        else:
-            # the whole gap: what earlier deltas could not carry is part of it
-            delta = {n: target.floats[n] - self._floats[n] for n in self._floats}
-            compressor = make_compressor(
-                self.compressor,
-                seed=derive_seed(self.seed, 0x5E4D, self.version + 1),
-                clip_sigma=self.clip_sigma,
-            )
-            payload = encode_update(delta, compressor)
-            decoded = decode_update(payload, **limits_for(delta))  # what every client will add
-            self._floats = {n: self._floats[n] + decoded[n] for n in self._floats}
-            self._log.append((self.version + 1, payload))
-            while len(self._log) > self.update_log_size:
-                self._log.popleft()
-        self.version += 1
-        self._digest = digest(self._floats)
+        return self.broadcast.model()
 
     def _outgoing(self, messages: Iterable[Message], arrays: ArrayRecord) -> list[Message]:
         out = []
+        layout: Layout | None = None
         for message in messages:
             key = _model_key(message, arrays)
             node = message.metadata.dst_node_id
-            if key is None or node in self._plain:
+            if key is None:
                 out.append(message)
                 continue
-            self._advance(arrays)
-            message.content = self._content_for(node, message.content, key)
-            self._sent[node] = (self.version, message)
+            layout = layout_of(arrays) if layout is None else layout
+            self._sent[node] = (message, key, layout)
+            if node not in self._plain:
+                self.broadcast.advance(arrays)
+                held = self.admission.held(node)
+                message.content = self.broadcast.content_for(held, message.content, key)
+                self.admission.nodes.sent(node, self.version, self.compressor)
             out.append(message)
         return out
 
-    def _content_for(self, node: int, content: RecordDict, key: str) -> RecordDict:
-        held = self._held.get(node, -1)
-        logged = {v for v, _ in self._log}
-        delta = (
-            self.downlink
-            and held >= 1
-            and all(v in logged for v in range(held + 1, self.version + 1))
-        )
-        out = RecordDict()
-        for name, record in content.items():
-            if name == key:
-                record = (
-                    ArrayRecord(dict(self._others))  # type: ignore[arg-type]
-                    if delta
-                    else join_model(self._names, self._floats, self._others)
-                )
-            out[name] = record
-        if delta:
-            updates = {update_key(v): bytes_to_array(p) for v, p in self._log if v > held}
-            out[UPDATES] = ArrayRecord(updates)  # type: ignore[arg-type]
-        out[META] = Broadcast(
-            record=key,
-            names=list(self._names),
-            version=self.version,
-            base=held if delta else -1,
-            digest=self._digest,
-            compressor=self.compressor,
-            clip_sigma=self.clip_sigma,
-            error_feedback=self.error_feedback,
-            seed=self.seed,
-        ).to_record()
-        return out
-
     # ------------------------------------------------------------------ uplink
-    def _incoming(self, replies: Iterable[Message]) -> list[Message]:
-        restored = [self._restore(reply) for reply in replies]
-        for node in self._sent:  # no reply: it may or may not hold the broadcast now
-            self._held.pop(node, None)
+    def _incoming(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
+        """The replies for the wrapped strategy: admitted ones restored to whole models,
+        refused ones as error replies (see the module docstring)."""
+        report = RoundReport(server_round, version=self.version)
+        replies = list(replies)
+        out: list[Message | None] = list(replies)
+        sent: dict[int, Message] = {}
+        compressed: list[ClientReply | ParseFailure] = []
+        position: dict[int, tuple[int, str | None]] = {}
+        broadcast = self.broadcast
+        others = {n: broadcast.layout[n] for n in broadcast.others}
+        for index, reply in enumerate(replies):
+            node = reply.metadata.src_node_id
+            instruction = self._sent.pop(node, None)
+            if instruction is not None:
+                sent[node] = instruction[0]
+            if reply.has_error():
+                self.admission.forget(node)
+                continue
+            content = reply.content
+            if META not in content:
+                if instruction is not None:
+                    self._admit_plain(node, content, instruction[1:], report)
+                continue
+            parsed = parse_delta_reply(node, content, others)
+            position[node] = (index, None if parsed.meta is None else parsed.meta.record)
+            if parsed.meta is not None and parsed.meta.record is None:
+                assert isinstance(parsed.reply, ClientReply)
+                if self.admission.acknowledge(parsed.reply, report):
+                    out[index] = _without_ours(reply, None, None)
+            else:
+                compressed.append(parsed.reply)
+        self._restore(compressed, replies, position, out, report)
+        self.admission.nodes.end_round()
+        for node in self._sent:  # no reply: it may or may not hold the broadcast
+            self.admission.forget(node)
         self._sent.clear()
-        return [reply for reply in restored if reply is not None]
+        self._account(report, replies, sent, out)
+        return [reply for reply in out if reply is not None]
 
-    def _restore(self, reply: Message) -> Message | None:
-        node = reply.metadata.src_node_id
-        sent = self._sent.pop(node, None)
-        if reply.has_error():
-            self._held.pop(node, None)
-            return reply
-        content = reply.content
-        if META not in content:
-            if sent is not None:  # the node runs no ternary_mod
-                self._plain.add(node)
-                self._held.pop(node, None)
-            return reply
-        if sent is None:
-            self._count_drop("unexpected")
-            log(_WARNING, "TernaryDelta dropped a reply of node %s: it answers no model "
-                "this server sent in this exchange", node)
-            return None
-        version, instruction = sent
+    def _admit_plain(
+        self, node: int, content: RecordDict, asked: tuple[str, Layout], report: RoundReport
+    ) -> None:
+        key, layout = asked
         try:
-            reply.content = self._decoded(content, version)
-        except (ValueError, KeyError, TypeError) as err:  # PayloadError is a ValueError
-            reason = f"TernaryDelta dropped the reply of node {node}: {err}"
+            check_plain_reply(node, content, key, layout)
+        except PayloadRejected as err:
+            self.admission.refuse(report, node, err)
+            return
+        if node not in self._plain:  # the node runs no ternary_mod
+            self._plain.add(node)
+            self.admission.forget(node)
+
+    def _restore(
+        self,
+        compressed: list[ClientReply | ParseFailure],
+        replies: list[Message],
+        position: dict[int, tuple[int, str | None]],
+        out: list[Message | None],
+        report: RoundReport,
+    ) -> None:
+        """Admit the compressed replies; each admitted one becomes the wrapped strategy's
+        model plus its delta."""
+        broadcast = self.broadcast
+        admitted = self.admission.admit(
+            compressed, broadcast.floats, self.version, self.compressor, self.clip_sigma, report
+        )
+        for node, delta in admitted:
+            weights = {n: broadcast.exact[n] + delta[n] for n in broadcast.floats}
+            bad = next((n for n, w in weights.items() if not bool(torch.isfinite(w).all())), None)
+            if bad is not None:
+                self.admission.refuse(report, node, PayloadRejected(
+                    f"node {node} payload rejected: the model plus its delta of {bad!r} is "
+                    "not finite"
+                ))  # fmt: skip
+                continue
+            index, record = position[node]
+            sent = replies[index].content.get(record or "")
+            assert isinstance(sent, ArrayRecord)  # parse_delta_reply checked it
+            model = join_model(broadcast.names, weights, dict(sent.items()))
+            out[index] = _without_ours(replies[index], record, model)
+
+    def _account(
+        self,
+        report: RoundReport,
+        replies: list[Message],
+        sent: dict[int, Message],
+        out: list[Message | None],
+    ) -> None:
+        """Log and count what ``report`` dropped and clipped; dropped replies become error
+        replies (or vanish, when the node was sent nothing to answer)."""
+        self.last_report = report
+        for node in report.clipped:
+            self.clipped[node] = self.clipped.get(node, 0) + 1
+        for index, reply in enumerate(replies):
+            node = reply.metadata.src_node_id
+            if node not in report.dropped or reply.has_error():
+                continue
+            error = report.errors.get(node)
+            kind = _kind(error)
+            self.dropped[kind] = self.dropped.get(kind, 0) + 1
+            why = report.dropped[node]
+            reason = f"TernaryDelta dropped the reply of node {node} ({kind}): {why}"
             log(_WARNING, reason)
-            self._count_drop(type(err).__name__)
-            self._held.pop(node, None)  # next time: the whole model
-            error = Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=reason)
-            return Message(error, reply_to=instruction)
-        self._held[node] = version
-        return reply
+            instruction = sent.get(node)
+            out[index] = None if instruction is None else Message(
+                Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=reason),
+                reply_to=instruction,
+            )  # fmt: skip
 
-    def _count_drop(self, kind: str) -> None:
-        self.dropped[kind] = self.dropped.get(kind, 0) + 1
 
-    def _decoded(self, content: RecordDict, sent: int) -> RecordDict:
-        """``content`` without this wrapper's records, the model decoded (or ValueError)."""
-        meta = parse_reply_meta(content)
-        if meta.version != sent:
-            raise ValueError(f"it answers version {meta.version}, the server sent {sent}")
-        out = RecordDict()
-        for name, record in content.items():
-            if name not in (META, DELTA):
-                out[name] = record
-        if meta.record is None:
-            if DELTA in content:
-                raise ValueError(f"it holds a {DELTA!r} record but names no model record")
-            return out
-        if meta.version != self.version or meta.names != self._names:
-            raise ValueError("its delta is not against the current broadcast model")
-        model_record = content.get(meta.record)
-        if not isinstance(model_record, ArrayRecord):
-            raise ValueError(f"it has no ArrayRecord {meta.record!r}")
-        others = split_model(model_record)
-        if others.floats or others.names != [n for n in self._names if n not in self._floats]:
-            raise ValueError(f"record {meta.record!r} must hold exactly the non-float arrays")
-        holder = content.get(DELTA)
-        if not isinstance(holder, ArrayRecord) or DELTA_KEY not in holder:
-            raise ValueError(f"it has no {DELTA!r} ArrayRecord with a {DELTA_KEY!r} Array")
-        payload = array_to_bytes(holder[DELTA_KEY])
-        limit = max_payload_bytes(self._floats)
-        if len(payload) > limit:
-            raise ValueError(f"its delta has {len(payload)} bytes, more than {limit}")
-        delta = decode_update(payload, **limits_for(self._floats))
-        if list(delta) != list(self._floats):
-            raise PayloadError("its delta names other tensors than the model's float arrays")
-        weights: dict[str, torch.Tensor] = {}
-        for name, base in self._floats.items():
-            d = delta[name]
-            if d.shape != base.shape or d.dtype != base.dtype:
-                raise PayloadError(f"its delta of {name!r} is {tuple(d.shape)}/{d.dtype}")
-            if not bool(torch.isfinite(d).all()):
-                raise PayloadError(f"its delta of {name!r} holds non-finite values")
-            weights[name] = self._exact[name] + d  # the wrapped strategy's own model + delta
-        out[meta.record] = join_model(self._names, weights, others.others)
-        return out
+def _without_ours(reply: Message, record: str | None, model: ArrayRecord | None) -> Message:
+    """``reply`` without this wrapper's records, its ``record`` replaced by ``model``."""
+    out = RecordDict()
+    for name, found in reply.content.items():
+        if name in (META, DELTA):
+            continue
+        out[name] = model if name == record and model is not None else found
+    reply.content = out
+    return reply
+
+
+def _kind(error: ReplyError | None) -> str:
+    """The kind of fault: the error that caused the rejection, else the rejection's class."""
+    if error is None:
+        return "rejected"
+    cause = error.__cause__
+    return type(cause if isinstance(cause, Exception) else error).__name__
 
 
 def _model_key(message: Message, arrays: ArrayRecord) -> str | None:
@@ -350,9 +374,13 @@ def _model_key(message: Message, arrays: ArrayRecord) -> str | None:
     return None
 
 
-def _others_digest(model: SplitModel) -> str:
-    h = hashlib.sha256()
-    for name, array in model.others.items():
-        h.update(f"{name}|{array.dtype}|{tuple(array.shape)}|".encode())
-        h.update(array.data)
-    return h.hexdigest()[:32]
+def _non_finite_array(arrays: ArrayRecord) -> str | None:
+    """The name of a float Array of ``arrays`` with a non-finite value, if any."""
+    for name, array in arrays.items():
+        try:
+            values = array.numpy()
+        except Exception:  # not readable: not ours to judge
+            continue
+        if values.dtype.kind == "f" and not bool(np.isfinite(values).all()):
+            return name
+    return None

@@ -210,6 +210,7 @@ def _contribution(
 def drop(report: RoundReport, node: int, error: ReplyError) -> None:
     """Record (and log) that ``node``'s reply is dropped for ``error``."""
     report.dropped[node] = str(error)
+    report.errors[node] = error
     if isinstance(error, FingerprintMismatch):
         report.note_fingerprint_checked(node, mismatch=True)
     logger.log(WARNING, "dropping reply: %s", error)

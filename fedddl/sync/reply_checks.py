@@ -54,6 +54,7 @@ class RoundRules:
     batchnorm: Mapping[str, _BatchNorm]
     scale_bound: ScaleBound
     code_scales: dict[str, float] | None
+    scale_floors: dict[str, float] | None = None  # smallest bound per tensor (None: 0)
 
 
 @dataclass
@@ -177,7 +178,9 @@ def statistics_max_bytes(layers: Mapping[str, _BatchNorm]) -> int:
 def bound_scales(screened: list[Screened], rules: RoundRules) -> Verdict:
     """Header scales within the scale bound of the round's honest majority (:mod:`scale_bound`)."""
     found = rules.scale_bound.screen(
-        {item.reply.node_id: item.entries for item in screened}, rules.code_scales
+        {item.reply.node_id: item.entries for item in screened},
+        rules.code_scales,
+        rules.scale_floors,
     )
     return Verdict(dict(found.dropped), dict(found.clipped), dict(found.clip))
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from fedddl.sync.errors import ReplyError
+
 __all__ = ["RoundReport"]
 
 
@@ -23,6 +25,8 @@ class RoundReport:
         were not applied).
     dropped : dict[int, str]
         Nodes left out, with the reason.
+    errors : dict[int, ReplyError]
+        The same nodes, with the error that dropped them.
     clipped : dict[int, str]
         Nodes whose reply was aggregated with a tensor's scale clipped to the round's bound
         (:mod:`fedddl.sync.scale_bound`), with the reason.
@@ -51,6 +55,7 @@ class RoundReport:
     version: int = 0
     accepted: list[int] = field(default_factory=list)
     dropped: dict[int, str] = field(default_factory=dict)
+    errors: dict[int, ReplyError] = field(default_factory=dict)
     clipped: dict[int, str] = field(default_factory=dict)
     replicas_equal: bool | None = None
     checked: list[int] = field(default_factory=list)

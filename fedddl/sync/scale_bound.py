@@ -129,6 +129,7 @@ class ScaleBound:
         self,
         headers: Mapping[int, Sequence[EntryHeader]],
         expected: Mapping[str, float] | None = None,
+        floors: Mapping[str, float] | None = None,
     ) -> BoundVerdict:
         """Decide, from the headers of this round's screened replies, what to clip or drop.
 
@@ -139,6 +140,10 @@ class ScaleBound:
         expected : Mapping[str, float] | None
             Scales the server told every client to use this round (``shared-scale-sum``):
             they are the bounds of their tensors.
+        floors : Mapping[str, float] | None
+            Smallest bound of each named tensor (a scale this small is harmless whatever
+            the median; keeps float noise of a tensor that does not learn from being
+            judged against noise).
 
         Returns
         -------
@@ -163,6 +168,8 @@ class ScaleBound:
             for past in self.history if self.rounds else ():
                 pooled.extend(past.get(name, ()))
             verdict.bounds[name] = self.factor * lower_median(pooled)
+            if floors is not None:
+                verdict.bounds[name] = max(verdict.bounds[name], floors.get(name, 0.0))
         accepted: dict[str, list[float]] = {}
         for node, entries in headers.items():
             peaks = [(e.name, magnitude(e)) for e in entries]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from fedddl.compression import (
@@ -63,6 +64,8 @@ class PayloadSpec:
         Largest acceptable message: every tensor dense in float64, plus its header.
     dense_names : frozenset[str]
         Tensors that are always sent dense (the fp32 exemptions).
+    dtypes : dict[str, torch.dtype] | None
+        The dtype each entry must have (None: any floating dtype).
     """
 
     shapes: dict[str, tuple[int, ...]]
@@ -70,6 +73,7 @@ class PayloadSpec:
     dense_below: int | None
     max_bytes: int
     dense_names: frozenset[str] = frozenset()
+    dtypes: dict[str, torch.dtype] | None = None
 
     @classmethod
     def for_model(
@@ -82,6 +86,18 @@ class PayloadSpec:
             for name, p in model.named_parameters()
             if p.requires_grad
         }
+        return cls.for_shapes(shapes, compressor, dense)
+
+    @classmethod
+    def for_shapes(
+        cls,
+        shapes: dict[str, tuple[int, ...]],
+        compressor: Compressor,
+        dense: frozenset[str] = frozenset(),
+        dtypes: dict[str, torch.dtype] | None = None,
+    ) -> PayloadSpec:
+        """The spec of the named tensors ``shapes`` (in order) encoded with ``compressor``,
+        those in ``dense`` sent dense, each of its dtype in ``dtypes`` when given."""
         max_bytes = _MESSAGE_OVERHEAD + sum(
             _ENTRY_OVERHEAD
             + len(name.encode("utf-8"))
@@ -97,7 +113,9 @@ class PayloadSpec:
             codecs, dense_below = frozenset(), None
         else:  # a plug-in: its payload kinds are not known in advance
             codecs, dense_below = None, None
-        return cls(shapes, codecs, dense_below, max_bytes, frozenset(dense) & set(shapes))
+        return cls(
+            shapes, codecs, dense_below, max_bytes, frozenset(dense) & set(shapes), dtypes
+        )
 
     def check(self, payload: bytes, node: int) -> OpenedMessage:
         """Read ``payload``'s header and check it against the spec; decode nothing.
@@ -138,6 +156,11 @@ class PayloadSpec:
             if entry.shape != want:
                 raise PayloadRejected(
                     f"{what}: tensor {entry.name!r} has shape {entry.shape}, the model's is {want}"
+                )
+            if self.dtypes is not None and entry.dtype != self.dtypes[entry.name]:
+                raise PayloadRejected(
+                    f"{what}: tensor {entry.name!r} is {entry.dtype}, the model's is "
+                    f"{self.dtypes[entry.name]}"
                 )
             self._check_kind(entry, what)
         return message
