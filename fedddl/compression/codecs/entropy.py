@@ -27,6 +27,11 @@ from typing import Any
 
 from fedddl.compression.codecs.errors import PayloadError, PayloadLimitError
 from fedddl.compression.codecs.limits import DEFAULT_MAX_BYTES
+from fedddl.compression.codecs.zstd_frame import (
+    check_frame_extent,
+    frame_compressor,
+    zstd_module,
+)
 from fedddl.framing import CRC, BytesLike, check_crc, check_magic, crc32, crc32_of
 
 __all__ = [
@@ -49,77 +54,18 @@ _WHAT = "entropy-coded update"
 _local = threading.local()
 
 
-def _zstd() -> Any:
-    try:
-        import zstandard
-    except ImportError as error:  # pragma: no cover - zstandard is a dependency
-        raise ImportError(
-            "entropy-coded updates need the zstandard package (pip install zstandard)"
-        ) from error
-    return zstandard
-
-
-def _compressor(level: int) -> Any:
-    """A zstd compressor for ``level``, one per thread (instances are not thread-safe)."""
-    cache: dict[int, Any] = _local.__dict__.setdefault("compressors", {})
-    if level not in cache:
-        zstd = _zstd()
-        params = zstd.ZstdCompressionParameters.from_level(
-            level,
-            format=zstd.FORMAT_ZSTD1_MAGICLESS,
-            write_content_size=True,
-            write_checksum=False,
-            write_dict_id=False,
-        )
-        cache[level] = zstd.ZstdCompressor(compression_params=params)
-    return cache[level]
-
-
 def seal_entropy_coded(parts: Sequence[BytesLike], plain_size: int) -> bytes | None:
     """The entropy-coded message whose body is the concatenation of ``parts``, or
     ``None`` if it would not be smaller than ``plain_size`` bytes (the plain
     message) or would exceed the decoder's expansion bound."""
     body = b"".join(parts)
     level = 19 if len(body) < _SMALL_BODY else 1
-    frame = _compressor(level).compress(body)
+    frame = frame_compressor(level).compress(body)
     size = _HEAD.size + len(frame) + CRC.size
     if size >= plain_size or len(body) > MAX_EXPANSION * size:
         return None
     head = _HEAD.pack(MAGIC, VERSION, 0)
     return b"".join([head, frame, CRC.pack(crc32_of([frame], crc32(head)))])
-
-
-def _frame_header_size(frame: memoryview) -> tuple[int, bool]:
-    """Size of a magic-less zstd frame header, and whether a checksum ends the frame."""
-    if len(frame) < 1:
-        raise PayloadError(f"{_WHAT}: the zstd frame is empty")
-    descriptor = frame[0]
-    content_flag, single_segment = descriptor >> 6, (descriptor >> 5) & 1
-    if descriptor & 0b1000:
-        raise PayloadError(f"{_WHAT}: the zstd frame header sets a reserved bit")
-    content_bytes = (single_segment, 2, 4, 8)[content_flag]
-    dictionary_bytes = (0, 1, 2, 4)[descriptor & 0b11]
-    return 1 + (1 - single_segment) + dictionary_bytes + content_bytes, bool(descriptor & 0b100)
-
-
-def _check_frame_extent(frame: memoryview) -> None:
-    """Walk the frame's block headers: the frame must end exactly where ``frame`` ends."""
-    position, checksum = _frame_header_size(frame)
-    while True:
-        if position + 3 > len(frame):
-            raise PayloadError(f"{_WHAT}: the zstd frame is truncated")
-        header = int.from_bytes(frame[position : position + 3], "little")
-        kind, size = (header >> 1) & 0b11, header >> 3
-        if kind == 3:
-            raise PayloadError(f"{_WHAT}: reserved zstd block type")
-        position += 3 + (1 if kind == 1 else size)  # an RLE block stores one byte
-        if header & 1:  # last block
-            break
-    position += 4 if checksum else 0
-    if position != len(frame):
-        raise PayloadError(
-            f"{_WHAT}: the zstd frame ends at byte {position} of {len(frame)}"
-        )
 
 
 def open_entropy_coded(view: memoryview, max_bytes: int = DEFAULT_MAX_BYTES) -> memoryview:
@@ -149,7 +95,7 @@ class EntropyFrame:
         PayloadError
             If the frame is corrupt.
         """
-        zstd = _zstd()
+        zstd = zstd_module()
         wanted = min(count, self.size)
         try:
             with _decompressor().stream_reader(self.frame) as reader:
@@ -172,7 +118,7 @@ class EntropyFrame:
         PayloadError
             If the frame is corrupt or holds another size than it declares.
         """
-        zstd = _zstd()
+        zstd = zstd_module()
         try:
             body = _decompressor().decompress(self.frame, max_output_size=self.size)
         except zstd.ZstdError as error:
@@ -203,7 +149,7 @@ def check_entropy_coded(view: memoryview, max_bytes: int = DEFAULT_MAX_BYTES) ->
     if flags != 0:
         raise PayloadError(f"{_WHAT}: unknown flags {flags:#x}")
     frame = view[_HEAD.size : end]
-    zstd = _zstd()
+    zstd = zstd_module()
     try:
         declared = zstd.get_frame_parameters(frame, format=zstd.FORMAT_ZSTD1_MAGICLESS)
     except zstd.ZstdError as error:
@@ -219,14 +165,14 @@ def check_entropy_coded(view: memoryview, max_bytes: int = DEFAULT_MAX_BYTES) ->
             f"{_WHAT}: the frame declares {size} bytes of content, more than the limit "
             f"max_bytes={max_bytes} (pass a larger max_bytes= to accept more)"
         )
-    _check_frame_extent(frame)
+    check_frame_extent(_WHAT, frame)
     return EntropyFrame(frame, int(size))
 
 
 def _decompressor() -> Any:
     cached = getattr(_local, "decompressor", None)
     if cached is None:
-        zstd = _zstd()
+        zstd = zstd_module()
         cached = zstd.ZstdDecompressor(format=zstd.FORMAT_ZSTD1_MAGICLESS)
         _local.decompressor = cached
     return cached

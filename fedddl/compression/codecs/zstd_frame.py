@@ -14,12 +14,13 @@ from typing import Any
 from fedddl.compression.codecs.errors import PayloadError
 from fedddl.framing import BytesLike
 
-__all__ = ["compress_frame", "open_frame"]
+__all__ = ["check_frame_extent", "compress_frame", "frame_compressor", "open_frame", "zstd_module"]
 
 _local = threading.local()
 
 
-def _zstd() -> Any:
+def zstd_module() -> Any:
+    """The ``zstandard`` module (a dependency; a clear ImportError if it is missing)."""
     try:
         import zstandard
     except ImportError as error:  # pragma: no cover - zstandard is a dependency
@@ -29,11 +30,12 @@ def _zstd() -> Any:
     return zstandard
 
 
-def compress_frame(body: BytesLike, level: int = 19) -> bytes:
-    """``body`` as one magic-less zstd frame with its content size."""
+def frame_compressor(level: int) -> Any:
+    """A zstd compressor of magic-less frames with their content size, one per thread and
+    level (instances are not thread-safe)."""
     cache: dict[int, Any] = _local.__dict__.setdefault("compressors", {})
     if level not in cache:
-        zstd = _zstd()
+        zstd = zstd_module()
         params = zstd.ZstdCompressionParameters.from_level(
             level,
             format=zstd.FORMAT_ZSTD1_MAGICLESS,
@@ -42,7 +44,12 @@ def compress_frame(body: BytesLike, level: int = 19) -> bytes:
             write_dict_id=False,
         )
         cache[level] = zstd.ZstdCompressor(compression_params=params)
-    return bytes(cache[level].compress(bytes(body)))
+    return cache[level]
+
+
+def compress_frame(body: BytesLike, level: int = 19) -> bytes:
+    """``body`` as one magic-less zstd frame with its content size."""
+    return bytes(frame_compressor(level).compress(bytes(body)))
 
 
 def _header_size(what: str, frame: memoryview) -> tuple[int, bool]:
@@ -57,8 +64,9 @@ def _header_size(what: str, frame: memoryview) -> tuple[int, bool]:
     return 1 + (1 - single_segment) + dictionary_bytes + content_bytes, bool(descriptor & 0b100)
 
 
-def _check_extent(what: str, frame: memoryview) -> None:
-    """Walk the block headers: the frame must end exactly where ``frame`` ends."""
+def check_frame_extent(what: str, frame: memoryview) -> None:
+    """Walk the block headers: the frame must end exactly where ``frame`` ends (else a
+    :class:`PayloadError` naming ``what``)."""
     position, checksum = _header_size(what, frame)
     while True:
         if position + 3 > len(frame):
@@ -85,7 +93,7 @@ def open_frame(what: str, frame: BytesLike, size: int) -> bytes:
         frame, or content that is not ``size`` bytes.
     """
     view = memoryview(frame)
-    zstd = _zstd()
+    zstd = zstd_module()
     try:
         declared = zstd.get_frame_parameters(view, format=zstd.FORMAT_ZSTD1_MAGICLESS)
     except zstd.ZstdError as error:
@@ -95,7 +103,7 @@ def open_frame(what: str, frame: BytesLike, size: int) -> bytes:
             "none" if declared.content_size == zstd.CONTENTSIZE_UNKNOWN else declared.content_size
         )
         raise PayloadError(f"{what}: the zstd frame declares {shown} bytes, expected {size}")
-    _check_extent(what, view)
+    check_frame_extent(what, view)
     decompressor = getattr(_local, "decompressor", None)
     if decompressor is None:
         decompressor = zstd.ZstdDecompressor(format=zstd.FORMAT_ZSTD1_MAGICLESS)
