@@ -35,23 +35,20 @@ from __future__ import annotations
 import hashlib
 import hmac
 import io
-import os
 import re
 import struct
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import WARNING, getLogger
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from fedddl.checkpoint_io import CheckpointError, write_atomically
+from fedddl.checkpoint_mark import HighWaterMark, read_mark
 from fedddl.framing import check_magic
-
-if TYPE_CHECKING:
-    from fedddl.checkpoint_mark import HighWaterMark
 
 __all__ = [
     "CHECKPOINT_FORMAT_VERSION",
@@ -81,10 +78,6 @@ _NAME_RE = re.compile(r"^round-(\d{6,})\.ckpt$")
 
 # Types a checkpoint may contain: what torch.load(weights_only=True) restores.
 _SCALARS = (type(None), bool, int, float, str, bytes)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file is missing, corrupt, truncated or incompatible."""
 
 
 @dataclass
@@ -298,30 +291,6 @@ def save_checkpoint(
     return target
 
 
-def write_atomically(target: Path, chunks: Sequence[bytes]) -> None:
-    """Write ``chunks`` to ``target`` through a temporary file in its directory (created if
-    missing), fsync-ed and renamed over it, then fsync the directory."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp",
-                                    dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            for chunk in chunks:
-                handle.write(chunk)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, target)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    # Persist the rename itself.
-    dir_fd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 def load_checkpoint(path: str | Path, *, key: bytes | None = None) -> ServerCheckpoint:
     """Read and verify a checkpoint written by :func:`save_checkpoint`.
 
@@ -502,8 +471,6 @@ _FRESH_START_HINT = "set checkpoint-allow-fresh-start = true to go on anyway"
 
 def _read_mark(directory: Path, key: bytes, allow_fresh_start: bool) -> HighWaterMark | None:
     """The directory's high-water mark (None: none, or unreadable and a fresh start allowed)."""
-    from fedddl.checkpoint_mark import read_mark
-
     try:
         return read_mark(directory, key)
     except CheckpointError as err:

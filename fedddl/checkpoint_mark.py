@@ -29,7 +29,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedddl.checkpoint import CheckpointError, write_atomically
+from fedddl.checkpoint_io import CheckpointError, write_atomically
 
 __all__ = ["MARK_NAME", "HighWaterMark", "new_run_id", "read_mark", "write_mark"]
 

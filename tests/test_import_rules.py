@@ -14,6 +14,8 @@
    without a cycle (lazy and ``TYPE_CHECKING`` imports count).
 6. ``simulations/`` (run as ``python -m simulations.NAME``) imports the installed packages
    and its own modules, never ``tests``, and does not edit ``sys.path``.
+7. ``fedddl/``, ``strategies/`` and ``clients/`` import one another without a cycle (a
+   package's ``__init__`` counts as a module; lazy and ``TYPE_CHECKING`` imports count).
 
 Imports are read from the syntax tree (``import x`` and ``from x import y``, at any depth,
 including the ones inside functions), so a violation fails here whatever the code path.
@@ -105,10 +107,12 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def compression_graph() -> dict[str, set[str]]:
-    """The modules of ``fedddl/compression`` and, for each, the package's modules it imports
+def import_graph(*folders: str) -> dict[str, set[str]]:
+    """The modules under ``folders`` and, for each, the ones among them it imports
     (``from a import b`` names module ``a.b`` when that is a module, else ``a``)."""
-    modules = {_module_name(p): p for p in sorted((ROOT / "fedddl/compression").rglob("*.py"))}
+    modules = {
+        _module_name(p): p for folder in folders for p in sorted((ROOT / folder).rglob("*.py"))
+    }
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         edges: set[str] = set()
@@ -131,7 +135,12 @@ def _layer(module: str) -> int:
     return len(COMPRESSION_LAYERS)
 
 
-def compression_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+def compression_graph() -> dict[str, set[str]]:
+    """The import graph inside ``fedddl/compression``."""
+    return import_graph("fedddl/compression")
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Every import cycle (strongly connected set of two or more modules), sorted."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -172,7 +181,7 @@ def compression_violations() -> list[str]:
         for target in sorted(targets)
         if _layer(target) > _layer(module)
     ]
-    found += [f"import cycle: {' -> '.join(cycle)} (rule 5)" for cycle in compression_cycles(graph)]
+    found += [f"import cycle: {' -> '.join(cycle)} (rule 5)" for cycle in import_cycles(graph)]
     return found
 
 
@@ -186,6 +195,27 @@ def test_compression_is_layered_without_cycles() -> None:
         COMPRESSION_LAYERS
     )
     assert compression_violations() == []
+
+
+def test_no_import_cycle_in_the_product() -> None:
+    """Rule 7: the modules of ``fedddl/``, ``strategies/`` and ``clients/`` (a package's
+    ``__init__`` included) import one another without a cycle."""
+    assert import_cycles(import_graph(*PACKAGES)) == []
+
+
+def test_an_import_cycle_in_the_product_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = Path.read_text
+    target = ROOT / "fedddl/checkpoint_io.py"
+
+    def read_text(self: Path, *args: object, **kwargs: object) -> str:
+        text = original(self, *args, **kwargs)  # type: ignore[arg-type]
+        return text + "\ndef f():\n    from fedddl.checkpoint import save_checkpoint\n" if (
+            self == target
+        ) else text
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    cycles = import_cycles(import_graph(*PACKAGES))
+    assert any({"fedddl.checkpoint", "fedddl.checkpoint_io"} <= set(c) for c in cycles), cycles
 
 
 def test_the_exceptions_exist() -> None:
