@@ -3,7 +3,8 @@
 Per message: parse the instruction (:mod:`fedddl.flower.protocol`), restore the client's
 state from ``context.state`` (:mod:`clients.state`), follow the instruction with the
 Flower-free :func:`fedddl.sync.worker.run_instruction` (catch up, compute, encode), save
-the state and reply.
+the state and reply. With ``downlink = "grid"`` the state is the grid snapshot of
+:mod:`clients.grid_state`.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ BatchNorm input statistics, encode the gradient with the uplink compressor (erro
 feedback, scaler sharing and fp32 exemptions through :mod:`fedddl.compression`) and
 answer with payload, statistics, fingerprint and version. A client that cannot reach
 the requested version answers ``resync`` with the version it holds (-1: none), and the
-server sends a log catch-up or a snapshot next time.
+server sends a log catch-up or a snapshot next time. With ``downlink = "grid"`` the
+replica is a :class:`~fedddl.sync.grid_replica.GridReplica` (``WorkerState.grid``, no
+client momentum) brought forward by :func:`~fedddl.sync.grid_catch_up.reach_grid_version`.
 """
 
 from __future__ import annotations
