@@ -117,6 +117,17 @@ def test_a_client_far_behind_and_one_that_never_trained_catch_up_exactly() -> No
         assert held.fingerprint() == cluster.server.fingerprints[18]
 
 
+def test_a_new_client_gets_the_counts_since_the_seed_when_the_log_does_not_reach_back() -> None:
+    cluster = GridCluster(grid_log_size=2)
+    for _ in range(4):
+        cluster.step((0, 1))
+    assert cluster.server.log.oldest == 2 and not cluster.server.replica.rebased
+    plan = cluster.plan((5, 0))
+    assert plan[5].snapshot is None and plan[5].updates[0][1][:4] == CATCH_UP_MAGIC
+    report = cluster.server.aggregate(cluster.round, [cluster.answer(n, plan[n]) for n in (5, 0)])
+    assert report.accepted == [0, 5] and report.replicas_equal
+
+
 def test_a_client_claiming_an_old_version_gets_at_most_a_count_delta_and_is_limited() -> None:
     cluster = GridCluster()
     for _ in range(6):

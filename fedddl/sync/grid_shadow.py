@@ -8,8 +8,9 @@ the counts would overflow; the segment updates the server's
 :class:`~fedddl.sync.grid_replica.GridReplica` and goes into a
 :class:`~fedddl.sync.grid_log.GridLog`; the round's pooled BatchNorm statistics move the
 shadow's buffers. A node at version ``v`` is caught up by one ``FDGU`` message (the counts
-from ``v``, and the current buffers) while the log reaches ``v``, else by an ``FDGS``
-snapshot. Checkpoints are not supported in this mode.
+from ``v``, and the current buffers) while the log reaches ``v`` (or ``v = 0`` and no round
+has rebased: then the counts since the seeded model), else by an ``FDGS`` snapshot.
+Checkpoints are not supported in this mode.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from fedddl.compression.codecs.count_delta import CountDelta
 from fedddl.lr_decay import NO_DECAY, StepDecay
 from fedddl.replica import CatchUp
 from fedddl.running_stats import apply_statistics, check_statistics
@@ -73,6 +75,8 @@ class GridShadow:
         self.param_names = list(self.replica.layout)
         self._buffers: dict[str, torch.Tensor] | None = None
         self._messages: dict[tuple[int, int], bytes] = {}
+        #: Whether a round has rebased (the anchors are no longer the seeded model's).
+        self.rebased = False
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """One float32 CPU buffer per trainable parameter, reused by every reply and round."""
@@ -124,6 +128,7 @@ class GridShadow:
             self.quantizer.residuals, self.quantizer.exponents = saved
             raise
         self.velocity = velocity
+        self.rebased = self.rebased or segment.rebase
         self.log.append(version, segment)
         replica.set_grid(grid, version)
         if statistics:
@@ -143,6 +148,9 @@ class GridShadow:
             message = self._messages.get((known, current))
             if message is None:
                 delta = self.log.catch_up(known, current)
+                if delta is None and known == 0 and not self.rebased:
+                    # the anchors are still the seeded model: the counts since then do
+                    delta = CountDelta(0, current, (self.replica.grid.snapshot_segment(),))
                 if delta is not None:
                     message = self.replica.catch_up_message(delta)
                     self._messages[(known, current)] = message
