@@ -3,21 +3,25 @@
 Per message: parse the instruction (:mod:`fedddl.flower.protocol`), restore the client's
 state from ``context.state`` (:mod:`clients.state`), follow the instruction with the
 Flower-free :func:`fedddl.sync.worker.run_instruction` (catch up, compute, encode), save
-the state and reply.
+the state and reply. With ``downlink = "grid"`` the state is the grid snapshot of
+:mod:`clients.grid_state`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from flwr.app import Context, Message
+from torch import nn
 
+from clients.grid_state import load_grid_state, save_grid_state
 from clients.shard import load_shard, partition_of
 from clients.state import load_state, save_state
 from fedddl.app_config import AppConfig
 from fedddl.devices import resolve_device
 from fedddl.flower.protocol import build_reply_content, parse_train_content
-from fedddl.sync.messages import ClientReply
+from fedddl.sync.messages import ClientReply, TrainInstruction
 from fedddl.sync.worker import run_instruction
 
 __all__ = ["compute_reply", "handle_localized_train"]
@@ -37,6 +41,8 @@ def compute_reply(message: Message, context: Context, cfg: AppConfig) -> ClientR
     key = context.run_id  # the run's clients in this process share one live replica
     where = cfg.client_snapshot_dir
     snapshot_dir = None if where in ("auto", "state") else Path(where)
+    if cfg.downlink == "grid":
+        return _grid_reply(instruction, context, cfg, model_fn)
     state = load_state(
         context.state,
         model_fn,
@@ -58,4 +64,26 @@ def compute_reply(message: Message, context: Context, cfg: AppConfig) -> ClientR
         cfg=cfg,
     )
     save_state(context.state, state, key=key, snapshot_dir=snapshot_dir)
+    return reply
+
+
+def _grid_reply(
+    instruction: TrainInstruction,
+    context: Context,
+    cfg: AppConfig,
+    model_fn: Callable[[], nn.Module],
+) -> ClientReply:
+    """:func:`compute_reply` for the ``grid`` downlink (state: :mod:`clients.grid_state`)."""
+    pid, num = partition_of(context.node_config)
+    state = load_grid_state(context.state, model_fn)
+    reply = run_instruction(
+        state,
+        instruction,
+        node_id=int(context.node_id),
+        partition_id=pid,
+        shard=lambda: load_shard(cfg, pid, num),
+        model_fn=model_fn,
+        cfg=cfg,
+    )
+    save_grid_state(context.state, state)
     return reply

@@ -34,7 +34,7 @@ _DEFENSES = Defenses()  # the defence keys' defaults are the server's
 GOSSIP_KEY_PREFIX = "gossip-"
 
 PARTITIONS: tuple[str, ...] = ("stratified", "random", "dirichlet")
-DOWNLINKS: tuple[str, ...] = ("reternarize", "shared-scale-sum")
+DOWNLINKS: tuple[str, ...] = ("reternarize", "shared-scale-sum", "grid")
 BUILTIN_STRATEGIES: tuple[str, ...] = ("terngrad", "gradient-average", "fedavg")
 
 
@@ -90,7 +90,19 @@ class AppConfig:
     compressor : str
         Registered uplink compressor name (TernGrad); GradientAverage forces ``identity``.
     downlink : str
-        ``"reternarize"`` or ``"shared-scale-sum"``.
+        ``"reternarize"``, ``"shared-scale-sum"`` or ``"grid"``: the server applies momentum
+        itself and keeps every replica's trainable parameters on an integer grid; a sampled
+        client gets one count-delta message however far behind it is
+        (:mod:`fedddl.sync.grid_shadow`). In grid mode ``fp32-min-numel`` and
+        ``fp32-logits`` apply to the uplink only (every parameter is on the grid), the
+        downlink log is ``grid-log-size`` rounds (not ``update-log-size``) and
+        ``checkpoint-every`` must be 0.
+    grid_levels : int
+        Grid downlink: the codes of a round lie in ``[-grid-levels, grid-levels]`` (1:
+        ternary), 1 to 127.
+    grid_log_size : int
+        Grid downlink: rounds of updates the server keeps for catch-ups (further behind
+        gets a grid snapshot).
     clip_sigma : float
         Ternary gradient clipping, in standard deviations.
     error_feedback : bool
@@ -190,6 +202,8 @@ class AppConfig:
     fp32_logits: bool = True
     fp32_warmup_rounds: int = 0
     update_log_size: int = 8
+    grid_levels: int = 1
+    grid_log_size: int = 256
     client_snapshot_dir: str = "auto"
     min_available_nodes: int = 2
     min_replies: int = 1
@@ -252,6 +266,15 @@ class AppConfig:
             )
         if self.update_log_size < 0:
             raise ValueError(f"update-log-size must be >= 0, got {self.update_log_size}")
+        if not 1 <= self.grid_levels <= 127:
+            raise ValueError(f"grid-levels must be in [1, 127], got {self.grid_levels}")
+        if not 1 <= self.grid_log_size <= 2**20:
+            raise ValueError(f"grid-log-size must be in [1, 2**20], got {self.grid_log_size}")
+        if self.downlink == "grid" and self.checkpoint_every > 0:
+            raise ValueError(
+                "checkpoint-every > 0 is not supported with downlink = 'grid' "
+                "(set checkpoint-every = 0 or another downlink)"
+            )
         if self.min_available_nodes < 1:
             raise ValueError(f"min-available-nodes must be >= 1, got {self.min_available_nodes}")
         if self.min_replies < 1:

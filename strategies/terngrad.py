@@ -105,6 +105,8 @@ class TernGrad(Strategy):
             min_available_nodes=cfg.min_available_nodes,
             min_replies=cfg.min_replies,
             update_log_size=cfg.update_log_size,
+            grid_levels=cfg.grid_levels,
+            grid_log_size=cfg.grid_log_size,
             seed=cfg.seed,
             defenses=cfg.defenses(),
             max_examples=cfg.batch_size * cfg.local_steps,

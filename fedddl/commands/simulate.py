@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--downlink",
         default="reternarize",
-        choices=("reternarize", "shared-scale-sum"),
+        choices=("reternarize", "shared-scale-sum", "grid"),
         help="how the server encodes the aggregate it broadcasts",
     )
     parser.add_argument(

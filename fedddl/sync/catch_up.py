@@ -11,7 +11,8 @@ from collections.abc import Iterable
 
 import torch
 
-from fedddl.replica import CatchUp, UpdateLog, plan_catch_up
+from fedddl.replica import CatchUp
+from fedddl.sync.grid_shadow import GridShadow
 from fedddl.sync.messages import TrainInstruction
 from fedddl.sync.nodes import NodeBook
 from fedddl.sync.resync_limit import ResyncLimiter
@@ -40,7 +41,7 @@ class CatchUpPlanner:
         self,
         server_round: int,
         nodes: Iterable[int],
-        shadow: ShadowReplica,
+        shadow: ShadowReplica | GridShadow,
         compressor: str,
         scales: torch.Tensor | None,
         want_scales: bool,
@@ -51,7 +52,6 @@ class CatchUpPlanner:
         ``compressor``: the round's uplink compressor; ``scales``: the shared scales sent
         when ``want_scales`` (clients report local scales for the shared-scale sum).
         """
-        log = shadow.log
         current = shadow.replica.version
         snapshot: dict[str, torch.Tensor] | None = None
         shared: dict[tuple[str, int, bool], TrainInstruction] = {}
@@ -59,10 +59,10 @@ class CatchUpPlanner:
         limited: list[int] = []
         for node in nodes:
             known = self.nodes.known_version(node)
-            catch_up = plan_catch_up(known, current, log)
-            if _costly(catch_up):
+            catch_up = shadow.catch_up(known)
+            if _costly(catch_up, known, current):
                 if self.resyncs.holds_back(node, server_round):
-                    known, catch_up = _usual_catch_up(current, log)
+                    known, catch_up = _usual_catch_up(current, shadow)
                     limited.append(node)
                 else:
                     self.resyncs.served(node, server_round)
@@ -71,7 +71,7 @@ class CatchUpPlanner:
             instruction = shared.get(key)
             if instruction is None:
                 if catch_up.kind == "snapshot" and snapshot is None:
-                    snapshot = shadow.replica.snapshot()
+                    snapshot = shadow.snapshot()
                 instruction = TrainInstruction(
                     server_round=server_round,
                     model_version=current,
@@ -99,15 +99,15 @@ class CatchUpPlanner:
         self.resyncs.forget()
 
 
-def _costly(catch_up: CatchUp) -> bool:
-    """A resync: a snapshot, or a replay of more than one update."""
-    return catch_up.kind == "snapshot" or (catch_up.kind == "log" and len(catch_up.updates) > 1)
+def _costly(catch_up: CatchUp, known: int, current: int) -> bool:
+    """A resync: a snapshot, or a catch-up over more than one version."""
+    return catch_up.kind == "snapshot" or (catch_up.kind == "log" and current - known > 1)
 
 
-def _usual_catch_up(current: int, log: UpdateLog) -> tuple[int, CatchUp]:
+def _usual_catch_up(current: int, shadow: ShadowReplica | GridShadow) -> tuple[int, CatchUp]:
     """What a node one version behind gets: the latest logged update (or nothing)."""
     if current >= 1:
-        usual = plan_catch_up(current - 1, current, log)
+        usual = shadow.catch_up(current - 1)
         if usual.kind == "log":
             return current - 1, usual
     return current, CatchUp("none", [])

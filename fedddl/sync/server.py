@@ -2,7 +2,9 @@
 
 :class:`ReplicaServer` runs each round through a catch-up planner (:mod:`~.catch_up`),
 reply admission (:mod:`~.admission`), aggregation and downlink (:mod:`~.broadcast`) and the
-shadow replica with its checkpoints (:mod:`~.shadow`). Its override points
+shadow replica with its checkpoints (:mod:`~.shadow`; with ``downlink = "grid"`` the
+grid shadow of :mod:`~.grid_shadow`, which applies momentum itself and has no
+checkpoints, and the broadcast encoder is not used). Its override points
 (:class:`~fedddl.sync.hooks.ServerHooks`) are looked up on ``hooks`` (default: itself) at
 each use. Client input never ends the server: a bad reply is dropped with its reason; a
 round that cannot be combined, encoded or applied, or has fewer than ``min_replies``
@@ -32,6 +34,9 @@ from fedddl.sync.broadcast import Broadcast
 from fedddl.sync.catch_up import CatchUpPlanner
 from fedddl.sync.checkpoints import load_scale_bound
 from fedddl.sync.exemptions import WARMUP_COMPRESSOR, exempt_parameters
+from fedddl.sync.grid_log import GridLog
+from fedddl.sync.grid_replica import GridReplica
+from fedddl.sync.grid_shadow import GridShadow
 from fedddl.sync.hooks import ServerHooks
 from fedddl.sync.messages import ClientReply, ParseFailure, TrainInstruction
 from fedddl.sync.nodes import NodeBook
@@ -40,9 +45,21 @@ from fedddl.sync.report import RoundReport
 from fedddl.sync.scale_bound import ScaleBound
 from fedddl.sync.shadow import ShadowReplica
 
-__all__ = ["DEFAULT_COMPRESSOR", "DOWNLINKS", "ParseFailure", "ReplicaServer", "ServerHooks"]
+__all__ = [
+    "DEFAULT_COMPRESSOR",
+    "DEFAULT_GRID_LEVELS",
+    "DEFAULT_GRID_LOG_SIZE",
+    "DOWNLINKS",
+    "ParseFailure",
+    "ReplicaServer",
+    "ServerHooks",
+]
 
-DOWNLINKS: tuple[str, ...] = ("reternarize", "shared-scale-sum")
+DOWNLINKS: tuple[str, ...] = ("reternarize", "shared-scale-sum", "grid")
+#: Codes a round of the ``grid`` downlink may use per value, ``[-L, L]``.
+DEFAULT_GRID_LEVELS = 1
+#: Rounds of grid updates the server keeps for catch-ups (the ``grid`` downlink).
+DEFAULT_GRID_LOG_SIZE = 256
 DEFAULT_COMPRESSOR = "ternary"
 
 logger = getLogger("fedddl")
@@ -70,13 +87,13 @@ class ReplicaServer:
         fp32_min_numel: int = 0,
         fp32_logits: bool = False,
         fp32_warmup_rounds: int = 0,
+        grid_levels: int = DEFAULT_GRID_LEVELS,
+        grid_log_size: int = DEFAULT_GRID_LOG_SIZE,
         defenses: Defenses | None = None,
         hooks: ServerHooks | None = None,
     ) -> None:
         if downlink not in DOWNLINKS:
-            raise ValueError(
-                f"downlink must be 'reternarize' or 'shared-scale-sum', got {downlink!r}"
-            )
+            raise ValueError(f"downlink must be one of {', '.join(DOWNLINKS)}, got {downlink!r}")
         if min_replies < 1:
             raise ValueError(f"min_replies must be >= 1, got {min_replies}")
         if fp32_warmup_rounds < 0:
@@ -92,9 +109,23 @@ class ReplicaServer:
         build_compressor(self.hooks.compressor_name(), seed=0, clip_sigma=clip_sigma)  # validates
         self.defenses = defenses if defenses is not None else Defenses()
         self.scale_bound = self._new_scale_bound()
-        shadow = Replica(model_fn(), learning_rate, momentum, version=0, lr_decay=lr_decay)
-        self.replica = ShadowReplica(shadow, update_log_size)
-        self.dense = exempt_parameters(shadow.model, min_numel=fp32_min_numel, logits=fp32_logits)
+        self.replica: ShadowReplica | GridShadow
+        if downlink == "grid":
+            self.replica = GridShadow(
+                model_fn(),
+                learning_rate=learning_rate,
+                momentum=momentum,
+                lr_decay=lr_decay,
+                levels=grid_levels,
+                seed=seed,
+                log_size=grid_log_size,
+            )
+        else:
+            shadow = Replica(model_fn(), learning_rate, momentum, version=0, lr_decay=lr_decay)
+            self.replica = ShadowReplica(shadow, update_log_size)
+        # the uplink's fp32 exemptions (the grid downlink puts every parameter on the grid)
+        model = self.replica.replica.model
+        self.dense = exempt_parameters(model, min_numel=fp32_min_numel, logits=fp32_logits)
         self.planner = CatchUpPlanner(self.defenses.resync_interval)
         self.admission = ReplyAdmission(self.planner.nodes, self.planner.resyncs)
         names = self.replica.param_names
@@ -124,13 +155,13 @@ class ReplicaServer:
 
     # -------------------------------------------------------------- the parts' state
     @property
-    def shadow(self) -> Replica:
+    def shadow(self) -> Replica | GridReplica:
         """The server's replica; what the clients' replicas equal at the same version."""
         return self.replica.replica
 
     @property
-    def log(self) -> UpdateLog:
-        """Encoded broadcast updates, by the version they produce."""
+    def log(self) -> UpdateLog | GridLog:
+        """Encoded broadcast updates, by the version they produce (grid: the grid updates)."""
         return self.replica.log
 
     @property
@@ -244,6 +275,16 @@ class ReplicaServer:
         self, server_round: int, aggregate: Aggregate, report: RoundReport
     ) -> str:
         """Encode, apply and log the aggregate; on failure change nothing and return why."""
+        if isinstance(self.replica, GridShadow):
+            try:
+                self.replica.step(aggregate.gradient, aggregate.statistics or {})
+            except Exception as err:  # hostile values that reached the aggregate
+                report.downlink_format = "none"
+                return (
+                    f"the aggregate could not be applied on the grid: {type(err).__name__}: {err}"
+                )
+            report.downlink_format = "grid"
+            return ""
         saved = self.broadcast.memory.save()
         try:
             payload, report.downlink_format = self.hooks.encode_downlink(server_round, aggregate)
@@ -263,6 +304,8 @@ class ReplicaServer:
     # ------------------------------------------------------------- checkpoints
     def checkpoint(self, server_round: int, config: dict[str, object]) -> ServerCheckpoint:
         """Capture the server state after global round ``server_round`` (config: the run's)."""
+        if isinstance(self.replica, GridShadow):
+            raise ValueError("checkpoints are not supported with downlink 'grid'")
         return self.replica.checkpoint(
             server_round,
             config,
@@ -275,6 +318,8 @@ class ReplicaServer:
     def restore(self, ckpt: ServerCheckpoint) -> None:
         """Continue from ``ckpt``; raises ``CheckpointError`` and changes nothing if it does
         not fit. The server then knows no client: each node's first message is a snapshot."""
+        if isinstance(self.replica, GridShadow):
+            raise ValueError("checkpoints are not supported with downlink 'grid'")
         restored = self.replica.load(ckpt, self._owner())
         self.scale_bound = load_scale_bound(ckpt, self._new_scale_bound())
         self.replica.adopt(restored, ckpt)

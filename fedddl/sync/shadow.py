@@ -17,7 +17,7 @@ import torch
 from fedddl.checkpoint import ServerCheckpoint
 from fedddl.compression import ResidualMemory
 from fedddl.compression.codecs.downlink import decode_broadcast_parts
-from fedddl.replica import Replica, UpdateLog
+from fedddl.replica import CatchUp, Replica, UpdateLog, plan_catch_up
 from fedddl.sync.checkpoints import Restored
 from fedddl.sync.checkpoints import capture as capture_checkpoint
 from fedddl.sync.checkpoints import load as load_checkpoint
@@ -71,6 +71,14 @@ class ShadowReplica:
         self.fingerprints[self.replica.version] = self.replica.fingerprint()
         while len(self.fingerprints) > max(64, 2 * len(self.log) + 2):
             self.fingerprints.popitem(last=False)
+
+    def catch_up(self, known: int) -> CatchUp:
+        """How a node at version ``known`` (-1: no state) reaches the current version."""
+        return plan_catch_up(known, self.replica.version, self.log)
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """A snapshot of the replica (weights and momentum)."""
+        return self.replica.snapshot()
 
     def checkpoint(
         self,

@@ -8,7 +8,9 @@ BatchNorm input statistics, encode the gradient with the uplink compressor (erro
 feedback, scaler sharing and fp32 exemptions through :mod:`fedddl.compression`) and
 answer with payload, statistics, fingerprint and version. A client that cannot reach
 the requested version answers ``resync`` with the version it holds (-1: none), and the
-server sends a log catch-up or a snapshot next time.
+server sends a log catch-up or a snapshot next time. With ``downlink = "grid"`` the
+replica is a :class:`~fedddl.sync.grid_replica.GridReplica` (``WorkerState.grid``, no
+client momentum) brought forward by :func:`~fedddl.sync.grid_catch_up.reach_grid_version`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from fedddl.replica import Replica
 from fedddl.running_stats import record_batch_statistics
 from fedddl.seeding import derive_seed
 from fedddl.sync.exemptions import exempt_parameters
+from fedddl.sync.grid_catch_up import reach_grid_version
+from fedddl.sync.grid_replica import GridReplica
 from fedddl.sync.journal import replay
 from fedddl.sync.messages import ClientReply, TrainInstruction, fingerprint_prefix
 from fedddl.training import gradients_of, iterate_minibatches, local_sgd
@@ -57,6 +61,8 @@ class WorkerState:
     saved_version : int | None
         Version of the last full snapshot written to durable state (None: none that this
         replica descends from, e.g. after loading a server snapshot).
+    grid : GridReplica | None
+        The client's replica in ``grid`` downlink mode (``replica`` stays None then).
     chains : list[str]
         History digests of the replica at ``saved_version`` and after each journaled update
         (kept by the persistence layer, ``clients.state``; the first ones when the journal
@@ -69,6 +75,7 @@ class WorkerState:
     journal: list[tuple[int, bytes]] = field(default_factory=list)
     saved_version: int | None = None
     chains: list[str] = field(default_factory=list)
+    grid: GridReplica | None = field(default=None, kw_only=True)
 
 
 def compute_pseudo_gradient(
@@ -177,9 +184,16 @@ def run_instruction(
     """
     if instruction.compressor is not None:
         state.compressor = instruction.compressor
-    replica = reach_version(state, instruction, model_fn, cfg)
+    replica: Replica | GridReplica | None
+    held: Replica | GridReplica | None
+    if cfg.downlink == "grid":
+        state.grid = held = reach_grid_version(state.grid, instruction, model_fn)
+        replica = held if held is not None and held.version == instruction.model_version else None
+    else:
+        replica = reach_version(state, instruction, model_fn, cfg)
+        held = state.replica
     if replica is None or state.compressor is None:
-        version = -1 if state.replica is None or state.compressor is None else state.replica.version
+        version = -1 if held is None or state.compressor is None else held.version
         return ClientReply.resync_request(node_id, version)
     x, y = shard()
     grads, loss, examples, statistics = compute_pseudo_gradient(
