@@ -24,10 +24,12 @@ def test_warm_up_bound_is_the_own_drift_from_the_initial_model() -> None:
     assert clip.bound(own) == (10.0, True)
     small = clip.clip(1, _vec(6.0, 8.0), own)  # norm 10: not above tau
     assert small.reason is None and torch.equal(small.update["w"], torch.tensor([6.0, 8.0]))
-    big = clip.clip(2, _vec(30.0, 40.0), own)  # norm 50 -> 10
+    big = clip.clip(2, _vec(12.0, 16.0), own)  # norm 20 -> 10
     assert big.reason == "clip-warm-up" and big.bound == 10.0
     assert state_norm(big.update) == pytest.approx(10.0)
     assert torch.allclose(big.update["w"], torch.tensor([6.0, 8.0]))
+    far = clip.clip(3, _vec(30.0, 40.0), own)  # norm 50 > 5 x the drift of 5
+    assert far.reason == "clip-far" and state_norm(far.update) == pytest.approx(10.0)
     # Before any step the bound is 0: nothing gets merged, and it is no "far" outlier.
     fresh = MergeClip(2.0, _vec(0.0, 0.0))
     zero = fresh.clip(1, _vec(1.0, 0.0), _vec(0.0, 0.0))

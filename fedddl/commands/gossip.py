@@ -141,9 +141,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "(default: 0.25)",
     )
     parser.add_argument(
-        "--clip", type=float, default=0.5,
+        "--clip", type=float, default=0.25,
         help="clipped gossip: a neighbour's difference is clipped to this many times the "
-             "median of the peers' recent difference norms; 0 = unclipped (default: 0.5)",
+             "median of the peers' recent difference norms; 0 = unclipped (default: 0.25)",
     )
     parser.add_argument(
         "--attack", default="", choices=("", "constant", "scaled-initial", "sign-flip"),

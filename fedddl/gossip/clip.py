@@ -15,8 +15,9 @@ Jaggi 2022; centred clipping around the node's own model):
   before the node's first step that bound is 0 and nothing is merged.
 
 Every clipped difference is reported with a reason: ``"clip-warm-up"`` (warm-up
-bound), ``"clip"`` (over ``tau``), ``"clip-far"`` (over ``far_factor * tau``: no
-honest spread looks like that; logged at WARNING, the others at INFO).
+bound), ``"clip"`` (over ``tau``), ``"clip-far"`` (over ``far_factor`` times the
+median or the drift: no honest spread looks like that; logged at WARNING, the
+others at INFO).
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ __all__ = [
 ]
 
 #: Default ``multiplier`` of the clip (``tau = multiplier * median recent norm``; 0 = off).
-DEFAULT_CLIP = 0.5
-#: Differences longer than this many ``tau`` are reported as ``"clip-far"``.
-DEFAULT_FAR_FACTOR = 10.0
+DEFAULT_CLIP = 0.25
+#: Differences longer than this many times the reference norm (``tau / multiplier``) are
+#: reported as ``"clip-far"``.
+DEFAULT_FAR_FACTOR = 5.0
 #: Peers that must have voted before the median replaces the warm-up bound.
 DEFAULT_MIN_VOTERS = 3
 
@@ -102,7 +104,8 @@ class MergeClip:
     min_voters : int
         Peers with a recorded norm needed before the median is used.
     far_factor : float
-        Multiple of ``tau`` beyond which a clip is reported as ``"clip-far"``.
+        Multiple of the reference norm (the median, or the drift during the
+        warm-up) beyond which a clip is reported as ``"clip-far"``.
 
     Thread-safe.
     """
@@ -192,7 +195,7 @@ class MergeClip:
         applied = dict(update)
         if norm > tau:
             reason = "clip-warm-up" if warm else "clip"
-            if tau > 0.0 and norm > self.far_factor * tau:
+            if tau > 0.0 and norm > self.far_factor * tau / self.multiplier:
                 reason = "clip-far"
             factor = tau / norm
             applied = {k: v * factor for k, v in update.items()}
