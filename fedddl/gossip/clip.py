@@ -71,11 +71,11 @@ class ClipOutcome:
 
 
 def state_norm(tensors: Mapping[str, torch.Tensor]) -> float:
-    """L2 norm over every floating-point tensor (in float64)."""
+    """L2 norm over every floating-point tensor (per tensor in its dtype, summed in float64)."""
     total = 0.0
     for tensor in tensors.values():
         if tensor.is_floating_point() and tensor.numel():
-            total += float(torch.sum(tensor.double() ** 2))
+            total += float(torch.linalg.vector_norm(tensor)) ** 2
     return math.sqrt(total)
 
 
