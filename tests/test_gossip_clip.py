@@ -125,3 +125,12 @@ def test_a_peer_clips_a_poisoned_model_and_counts_it_once_logged(
         assert len(far) == 1 and far[0].levelno == logging.WARNING
     finally:
         node.stop(grace_s=0)
+
+
+def test_two_votes_never_replace_the_drift_bound() -> None:
+    clip = MergeClip(0.25, _vec(0.0, 0.0))
+    own = _vec(3.0, 4.0)  # drift 5
+    clip.clip(1, _vec(1.0, 0.0), own)
+    clip.clip(2, _vec(900.0, 0.0), own)  # with two voters, one attacker would be half
+    assert clip.warming_up and clip.bound(own) == (1.25, True)
+    assert state_norm(clip.clip(2, _vec(900.0, 0.0), own).update) == pytest.approx(1.25)

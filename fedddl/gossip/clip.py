@@ -9,7 +9,8 @@ Jaggi 2022; centred clipping around the node's own model):
 * ``tau = multiplier * median`` of the peers' *recent difference norms*: for every
   peer the norm of its last difference as received. Each peer, honest or not, has
   one vote, so a minority of compromised peers cannot move the median far.
-* **Warm-up**, while fewer than ``min_voters`` peers have voted: ``tau =
+* **Warm-up**, while fewer than ``min_voters`` (3) peers have voted -- for good
+  with fewer peers, as a median of one or two votes protects nothing: ``tau =
   multiplier * ||x - x0||``, the node's own drift from the shared initial model
   (honest nodes that started there and trained as long are about as far apart);
   before the node's first step that bound is 0 and nothing is merged.

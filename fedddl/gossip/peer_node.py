@@ -30,7 +30,7 @@ import torch
 
 from fedddl.gossip.admission import Admission, AdmissionLimits, RejectedFrame, RejectionLog
 from fedddl.gossip.attack import GOSSIP_ATTACKS, poison_state
-from fedddl.gossip.clip import DEFAULT_CLIP, DEFAULT_MIN_VOTERS, MergeClip, clip_level, difference
+from fedddl.gossip.clip import DEFAULT_CLIP, MergeClip, clip_level, difference
 from fedddl.gossip.compressed import (
     LINK_NO_BASE,
     LINK_OUT_OF_SYNC,
@@ -300,8 +300,6 @@ class PeerNode:
                     continue
                 self._clients[node] = PeerClient(node, address, self.shaper, self.tls)
                 self._peer_states[node] = PeerState(node, True, 0)
-            if self.clip is not None:  # a median needs voters; fewer peers, fewer voters
-                self.clip.min_voters = max(1, min(DEFAULT_MIN_VOTERS, len(self._clients)))
 
     def start_training(self, run_threads: bool = True) -> None:
         """Admit the held frames and run the training, sender and state threads.

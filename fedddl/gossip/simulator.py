@@ -102,10 +102,7 @@ class GossipSimulation:
         self.honest = [i for i in range(n) if i not in self.attackers]
         self.clips: list[MergeClip] = []
         if config.clip > 0:
-            voters = min(3, n - 1)
-            self.clips = [
-                MergeClip(config.clip, setup.initial_state, min_voters=voters) for _ in range(n)
-            ]
+            self.clips = [MergeClip(config.clip, setup.initial_state) for _ in range(n)]
         self.clip_logs = [RejectionLog(f"node {i}", action="clipped") for i in range(n)]
         self.curve: list[list[float]] = []
         self.time_to_target: float | None = None
