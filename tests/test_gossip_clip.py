@@ -134,3 +134,29 @@ def test_two_votes_never_replace_the_drift_bound() -> None:
     clip.clip(2, _vec(900.0, 0.0), own)  # with two voters, one attacker would be half
     assert clip.warming_up and clip.bound(own) == (1.25, True)
     assert state_norm(clip.clip(2, _vec(900.0, 0.0), own).update) == pytest.approx(1.25)
+
+
+@pytest.mark.parametrize("compressor", ["", "ternary-base3"])
+def test_real_peers_bound_a_compromised_peer(compressor: str) -> None:
+    from tests.support.gossip_nodes import run_to_completion
+
+    def honest_largest_weight(clip: float) -> tuple[float, dict[str, int]]:
+        nodes = [
+            make_node(i, steps=100, min_step_s=0.005, compressor=compressor, clip=clip,
+                      attack="constant" if i == 3 else "")
+            for i in range(4)
+        ]
+        assert run_to_completion(nodes, timeout_s=60)
+        largest = max(float(v.abs().max()) for n in nodes[:3]
+                      for v in n.model.state_dict().values() if v.is_floating_point())
+        clipped: dict[str, int] = {}
+        for n in nodes[:3]:
+            for reason, count in n.metrics()["clipped"].get("node 3", {}).items():
+                clipped[reason] = clipped.get(reason, 0) + count
+        return largest, clipped
+
+    # Clean, the honest weights stay below 0.5 here; the poison is 999 everywhere.
+    largest, clipped = honest_largest_weight(DEFAULT_CLIP)
+    assert largest < 1.0 and clipped.get("clip-far", 0) > 0, (largest, clipped)
+    unclipped, none = honest_largest_weight(0.0)
+    assert unclipped > 2.5 and none == {}  # the poison gets in without the clip
