@@ -18,7 +18,7 @@ from tests.support.gossip_nodes import make_node, model_frame, raw_send
 
 
 def test_frames_before_the_peer_list_are_held_then_admitted() -> None:
-    node = make_node(0)
+    node = make_node(0, clip=0.0)  # unclipped: it never steps, so a clip would merge nothing
     node.serve()  # serving, but no peer list yet and no training
     address = node.server.address
     other = {k: v + 1.0 for k, v in create_model("digits", seed=1).state_dict().items()}

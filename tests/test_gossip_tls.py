@@ -40,7 +40,7 @@ def other_ca(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture()
 def secure_receiver(certs: Path) -> Iterator[PeerNode]:
     """Node 0 with mutual TLS, manual mode; it knows nodes 1 and 2 (never dialled)."""
-    node = make_node(0, tls=PeerTls.load(certs, 0))
+    node = make_node(0, tls=PeerTls.load(certs, 0), clip=0.0)  # never steps: merges unclipped
     node.serve()
     node.set_peers({1: "127.0.0.1:1", 2: "127.0.0.1:1"})
     node.start_training(run_threads=False)

@@ -50,7 +50,7 @@ def _node(node_id: int, **config: object) -> PeerNode:
 @pytest.fixture()
 def receiver() -> Iterator[PeerNode]:
     """Node 0 serving in manual mode (accepts frames, merges only when asked)."""
-    node = _node(0)
+    node = _node(0, clip=0.0)  # it never steps: unclipped, so a good frame changes the model
     node.serve()
     node.set_peers({1: "127.0.0.1:1", 2: "127.0.0.1:1"})  # senders it knows; never dialled
     node.start_training(run_threads=False)

@@ -140,6 +140,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --compressor: step of the CHOCO edge updates, replaces --merge-weight "
              "(default: 0.25)",
     )
+    parser.add_argument(
+        "--clip", type=float, default=0.25,
+        help="clipped gossip: a neighbour's difference is clipped to this many times the "
+             "median of the peers' recent difference norms; 0 = unclipped (default: 0.25)",
+    )
+    parser.add_argument(
+        "--attack", default="", choices=("", "constant", "scaled-initial", "sign-flip"),
+        help="compromised peers (--attackers of them, the highest ids) send poisoned models "
+             "of this kind; accuracies are then the honest nodes' (default: none)",
+    )
+    parser.add_argument(
+        "--attackers", type=int, default=None,
+        help="how many nodes are compromised (default: 1 with --attack, else 0)",
+    )
+    parser.add_argument(
+        "--attack-scale", type=float, default=None,
+        help="the attack's value: constant 999, scaled-initial -50 (times the initial "
+             "model), sign-flip -1 (times its own model) by default",
+    )
     parser.add_argument("--out", default=None, help="result JSON file (default: stdout)")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
@@ -177,6 +196,10 @@ def run(args: argparse.Namespace) -> int:
             selection=args.selection,
             compressor=args.compressor,
             consensus_step=args.consensus_step,
+            clip=args.clip,
+            attack=args.attack,
+            attackers=(1 if args.attack else 0) if args.attackers is None else args.attackers,
+            attack_scale=args.attack_scale,
         )
         if args.quiet:
             result = run_gossip(config)

@@ -132,16 +132,26 @@ class RejectionLog:
     ----------
     owner : str
         Prefix of the log lines (e.g. ``"node 3"``).
+    action : str
+        What was done to the frames, in the log lines (``"rejected"``; a node's clip
+        log says ``"clipped"``).
     """
 
-    def __init__(self, owner: str) -> None:
+    def __init__(self, owner: str, action: str = "rejected") -> None:
         self.owner = owner
+        self.action = action
         self._lock = threading.Lock()
         self._counts: dict[str, dict[str, int]] = {}
         self._by_status: dict[str, int] = {}
 
-    def record(self, peer: str, reason: str, status: str, detail: str) -> None:
-        """Count one refusal of a frame from ``peer`` for ``reason`` (answered ``status``)."""
+    def record(
+        self, peer: str, reason: str, status: str, detail: str, level: int | None = None
+    ) -> None:
+        """Count one frame from ``peer`` for ``reason`` (answered ``status``).
+
+        The first of each (peer, reason) pair is logged at ``level``; by default
+        INFO for ``UNAVAILABLE`` and WARNING otherwise.
+        """
         with self._lock:
             reasons = self._counts.setdefault(peer, {})
             first = reason not in reasons
@@ -149,12 +159,13 @@ class RejectionLog:
             self._by_status[status] = self._by_status.get(status, 0) + 1
         if first:
             # UNAVAILABLE ("finished", "not ready") is a normal answer, not a sign of a bad peer.
-            level = logging.INFO if status == "UNAVAILABLE" else logging.WARNING
+            if level is None:
+                level = logging.INFO if status == "UNAVAILABLE" else logging.WARNING
             _log.log(
                 level,
-                "%s: rejected frame from %s: %s (%s; further %r refusals of this peer are "
+                "%s: %s frame from %s: %s (%s; further %r frames of this peer are "
                 "only counted)",
-                self.owner, peer, detail, status, reason,
+                self.owner, self.action, peer, detail, status, reason,
             )
 
     def by_peer(self) -> dict[str, dict[str, int]]:

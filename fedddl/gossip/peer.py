@@ -25,6 +25,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from fedddl.gossip.attack import GOSSIP_ATTACKS
+from fedddl.gossip.clip import DEFAULT_CLIP
+
 __all__ = ["build_parser", "main"]
 
 _log = logging.getLogger("fedddl.gossip.peer")
@@ -73,6 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest step a received model clock may be ahead of the highest seen")
     p.add_argument("--max-abs-weight", type=float, default=1000.0,
                    help="largest absolute weight a received model may hold")
+    p.add_argument("--clip", type=float, default=DEFAULT_CLIP,
+                   help="clipped gossip: a neighbour's difference is clipped to this many "
+                        "times the median of the peers' recent difference norms; 0 = off "
+                        f"(default: {DEFAULT_CLIP:g})")
+    p.add_argument("--attack", default="", choices=("", *GOSSIP_ATTACKS),
+                   help="robustness tests only: this node is compromised and sends poisoned "
+                        "models of this kind (default: none)")
+    p.add_argument("--attack-scale", type=float, default=None,
+                   help="the attack's value (default: the kind's own)")
     p.add_argument("--eval-every", type=int, default=25,
                    help="evaluate every this many steps (default: 25)")
     p.add_argument("--min-step-s", type=float, default=0.0, help="pace steps (emulate slow CPU)")
@@ -174,6 +186,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             compressor=args.compressor,
             consensus_step=args.consensus_step,
             limits=limits,
+            clip=args.clip,
+            attack=args.attack,
+            attack_scale=args.attack_scale,
         )
         peers = parse_peers(args.peers) if args.peers else None
         shaper = parse_shaper_spec(args.shaper)

@@ -51,6 +51,7 @@ PEER_OPTIONS: dict[str, type] = {
     "model-burst": int,
     "max-version-jump": int,
     "max-abs-weight": float,
+    "clip": float,
     "steps": int,
     "batch-size": int,
     "learning-rate": float,

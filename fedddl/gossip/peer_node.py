@@ -6,7 +6,9 @@ frame or a compressed DELTA frame, to the partner its ``Scheduler`` picks) and a
 thread (broadcasts its :class:`~fedddl.gossip.scheduler.PeerState`).
 :meth:`PeerNode.handle_frame` checks a frame completely (format, the caller's
 certificate, membership, rate, clock, every tensor) before it can touch the model; a
-refused frame gets an error status and is counted per peer and reason. Frames that
+refused frame gets an error status and is counted per peer and reason. What a
+neighbour's model may change in the node's own is clipped (:mod:`fedddl.gossip.clip`);
+clipped frames are counted per peer and reason too. Frames that
 arrive before training starts are held (at most ``hold_limit``) and admitted once the
 peer list is known. A peer that does not answer within ``send_timeout_s`` is backed off
 exponentially and treated as disabled. Behaviour in detail: docs/gossip.md.
@@ -27,6 +29,8 @@ import numpy as np
 import torch
 
 from fedddl.gossip.admission import Admission, AdmissionLimits, RejectedFrame, RejectionLog
+from fedddl.gossip.attack import GOSSIP_ATTACKS, poison_state
+from fedddl.gossip.clip import DEFAULT_CLIP, MergeClip, clip_level, difference
 from fedddl.gossip.compressed import (
     LINK_NO_BASE,
     LINK_OUT_OF_SYNC,
@@ -87,6 +91,9 @@ class NodeConfig:
     consensus_step: float = 0.25  # edge-update step of compressed gossip
     limits: AdmissionLimits = field(default_factory=AdmissionLimits)
     hold_limit: int = 64  # frames held before training starts
+    clip: float = DEFAULT_CLIP  # clipped gossip multiplier (fedddl.gossip.clip); 0 = off
+    attack: str = ""  # a compromised node: sends this poison (fedddl.gossip.attack)
+    attack_scale: float | None = None
 
     def __post_init__(self) -> None:
         checks = {
@@ -101,6 +108,8 @@ class NodeConfig:
             "max_frame_bytes": self.max_frame_bytes > 0,
             "consensus_step": 0 < self.consensus_step <= 1,
             "hold_limit": self.hold_limit >= 0,
+            "clip": self.clip >= 0 and math.isfinite(self.clip),
+            "attack": not self.attack or self.attack in GOSSIP_ATTACKS,
         }
         for name, ok in checks.items():
             if not ok:
@@ -216,6 +225,9 @@ class PeerNode:
             )
         self.admission = Admission(config.limits)
         self.rejection_log = RejectionLog(f"node {config.node_id}")
+        self.clip_log = RejectionLog(f"node {config.node_id}", action="clipped")
+        self._initial = {k: v.detach().clone() for k, v in state.items()}
+        self.clip = MergeClip(config.clip, state) if config.clip > 0 else None
         self._version = 0
         self._step = 0
         self._steps_per_s = 0.0
@@ -472,7 +484,7 @@ class PeerNode:
         if frame.kind is FrameKind.MODEL:
             self.admission.check_weights(sender, frame.tensors)
         elif frame.kind is FrameKind.DELTA:
-            correction = self._receive_delta(frame)
+            correction = self._clipped(sender, self._receive_delta(frame))
         self.admission.accept_version(version)
         with self._state_lock:
             self._peer_states[sender] = frame.state
@@ -497,6 +509,33 @@ class PeerNode:
                 else grpc.StatusCode.INVALID_ARGUMENT
             )
             raise RejectedFrame(code, str(exc), exc.key, frame.sender) from None
+
+    def _own_for_clip(self) -> dict[str, torch.Tensor] | None:
+        """A copy of the model when the clip's warm-up bound needs it, else ``None``."""
+        if self.clip is None or not self.clip.warming_up:
+            return None
+        with self._model_lock:
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def _clipped(
+        self, peer: int, correction: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """A compressed edge update (``step * difference`` with ``peer``), clipped."""
+        if self.clip is None:
+            return correction
+        outcome = self.clip.clip(
+            peer, correction, self._own_for_clip(), self.config.consensus_step
+        )
+        if outcome.reason is None:
+            return correction
+        self._count_clip(peer, outcome.reason, outcome.norm, outcome.bound)
+        return outcome.update
+
+    def _count_clip(self, peer: int, reason: str, norm: float, bound: float) -> None:
+        self.clip_log.record(
+            f"node {peer}", reason, "CLIPPED",
+            f"difference norm {norm:.4g} clipped to {bound:.4g}", clip_level(reason),
+        )
 
     def _add_correction_locked(
         self, correction: Mapping[str, torch.Tensor], version: int | None
@@ -578,7 +617,15 @@ class PeerNode:
         if not pending and correction is None:
             return 0
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        for tensors, version in pending.values():
+        for sender, (tensors, version) in pending.items():
+            if self.clip is not None:
+                outcome = self.clip.clip(sender, difference(tensors, state), state)
+                if outcome.reason is not None:
+                    self._count_clip(sender, outcome.reason, outcome.norm, outcome.bound)
+                    tensors = {
+                        k: (state[k] + outcome.update[k]) if k in outcome.update else v
+                        for k, v in tensors.items()
+                    }
             weight = 0.5 if self.config.merge == "average" else version_weight(
                 self._version, version
             )
@@ -627,6 +674,10 @@ class PeerNode:
         with self._model_lock:
             version = self._version
             snapshot = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        if self.config.attack:
+            snapshot = poison_state(
+                self.config.attack, snapshot, self._initial, self.config.attack_scale
+            )
         return version if self._ship(peer, snapshot) else -1
 
     def _ship(self, peer: int, snapshot: dict[str, torch.Tensor]) -> bool:
@@ -656,6 +707,7 @@ class PeerNode:
             assert self._gossip is not None
             with self._links_lock:
                 correction = self._gossip.commit(update)
+            correction = self._clipped(peer, correction)
             with self._state_lock:
                 self._add_correction_locked(correction, None)
         return True
@@ -770,6 +822,13 @@ class PeerNode:
                 return  # the final "disabled" broadcast went out
 
     # ------------------------------------------------------------------ metrics
+    def _clip_bound(self) -> float | None:
+        """The clip's current median bound; ``None`` without a clip or during its warm-up."""
+        if self.clip is None:
+            return None
+        bound, warm = self.clip.bound()
+        return None if warm else bound
+
     def metrics(self) -> dict[str, Any]:
         """JSON-able snapshot of the node's counters and accuracy history."""
         with self._state_lock:
@@ -805,6 +864,9 @@ class PeerNode:
             "held_dropped": counters["held_dropped"],
             "rejected": self.rejection_log.by_status(),
             "rejections": self.rejection_log.by_peer(),
+            "clipped": self.clip_log.by_peer(),
+            "clip_bound": self._clip_bound(),
+            "attack": self.config.attack or None,
             "mean_transfer_s": {
                 str(k): total / counters["transfers"][k]
                 for k, total in counters["transfer_s_sum"].items()

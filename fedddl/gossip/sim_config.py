@@ -7,6 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from fedddl.gossip.attack import GOSSIP_ATTACKS
+from fedddl.gossip.clip import DEFAULT_CLIP
+
 __all__ = ["GossipConfig"]
 
 
@@ -68,6 +71,15 @@ class GossipConfig:
         Whether a transfer occupies the receiver's downlink during its latency too
         (default, as published) or only while its bytes arrive
         (:class:`fedddl.network.LinkScheduler`; ``False`` matched real peers).
+    clip
+        Clipped gossip (:mod:`fedddl.gossip.clip`): a neighbour's difference is
+        clipped to ``clip`` times the median of the peers' recent difference norms;
+        ``0`` merges unclipped.
+    attack, attackers, attack_scale
+        ``attackers`` compromised nodes (the highest ids) send poisoned models of
+        this kind (:mod:`fedddl.gossip.attack`; ``attack_scale`` ``None`` = the
+        kind's default) and train honestly otherwise. Accuracies are then the
+        honest nodes' mean.
     """
 
     scheduler: str = "scheduled"
@@ -96,6 +108,10 @@ class GossipConfig:
     compressor: str = ""
     consensus_step: float = 0.25
     downlink_holds_latency: bool = True
+    clip: float = DEFAULT_CLIP
+    attack: str = ""
+    attackers: int = 0
+    attack_scale: float | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -122,6 +138,12 @@ class GossipConfig:
                 self.selection in ("fastest", "proportional"),
                 "selection must be fastest or proportional",
             ),
+            (self.clip >= 0 and self.clip != float("inf"), "clip must be >= 0 and finite"),
+            (not self.attack or self.attack in GOSSIP_ATTACKS,
+             f"attack must be one of {sorted(GOSSIP_ATTACKS)}"),
+            (0 <= self.attackers < self.nodes, "attackers must be in [0, nodes)"),
+            (bool(self.attack) == (self.attackers > 0),
+             "attack and attackers >= 1 go together"),
         ]
         for ok, message in checks:
             if not ok:

@@ -23,6 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedddl.gossip.admission import RejectionLog
+from fedddl.gossip.attack import poison_state
+from fedddl.gossip.clip import MergeClip, clip_level, difference
 from fedddl.gossip.compressed import CompressedGossip, OutgoingUpdate
 from fedddl.gossip.estimator import CommTimeEstimator
 from fedddl.gossip.scheduler import PeerState, Scheduler, get_scheduler
@@ -95,6 +98,12 @@ class GossipSimulation:
                 )
                 for i in range(n)
             ]
+        self.attackers = set(range(n - config.attackers, n)) if config.attack else set()
+        self.honest = [i for i in range(n) if i not in self.attackers]
+        self.clips: list[MergeClip] = []
+        if config.clip > 0:
+            self.clips = [MergeClip(config.clip, setup.initial_state) for _ in range(n)]
+        self.clip_logs = [RejectionLog(f"node {i}", action="clipped") for i in range(n)]
         self.curve: list[list[float]] = []
         self.time_to_target: float | None = None
 
@@ -151,10 +160,18 @@ class GossipSimulation:
                     return  # the next step is scheduled on delivery
         self._push(next_start + sim_node.step_time_s, "step", node)
 
+    def _outgoing(self, node: int) -> dict[str, torch.Tensor]:
+        """What ``node`` sends: its model, or a compromised node's poison."""
+        state = self.nodes[node].snapshot()
+        if node in self.attackers:
+            cfg = self.config
+            return poison_state(cfg.attack, state, self.setup.initial_state, cfg.attack_scale)
+        return state
+
     def _send(self, node: int, peer: int, now: float) -> _Message:
         sim_node = self.nodes[node]
         if self.compressed:
-            update = self.compressed[node].prepare(peer, sim_node.model.state_dict())
+            update = self.compressed[node].prepare(peer, self._outgoing(node))
             # The simulated network delivers everything: the link advances now, the
             # sender's consensus step comes when the message arrives (its "ack").
             self.compressed[node].commit(update)
@@ -162,7 +179,7 @@ class GossipSimulation:
             transfer = self.links.reserve(node, peer, size, now)
             return _Message(transfer, None, sim_node.version, update)
         transfer = self.links.reserve(node, peer, self.setup.model_bytes, now)
-        return _Message(transfer, sim_node.snapshot(), sim_node.version)
+        return _Message(transfer, self._outgoing(node), sim_node.version)
 
     def _on_recv_start(self, message: _Message, now: float) -> None:
         dst = message.transfer.dst
@@ -177,15 +194,17 @@ class GossipSimulation:
         self.merge_lags.append(lag)
         if lag > self.config.stale_threshold_steps:
             self.stale_merges += 1
+        src, dst = transfer.src, transfer.dst
         if message.update is None:
             assert message.state is not None
-            receiver.merge(message.state, message.version, self.config.merge_weight)
+            received = self._clipped_model(dst, src, message.state)
+            receiver.merge(received, message.version, self.config.merge_weight)
         else:  # compressed: one CHOCO edge update on both ends
             update = message.update
-            src, dst = transfer.src, transfer.dst
             correction = self.compressed[dst].receive(src, update.header, update.payload)
-            receiver.correct(correction, message.version)
-            self.nodes[src].correct(self.compressed[src].sender_correction(dst), None)
+            receiver.correct(self._clipped(dst, src, correction), message.version)
+            sender_correction = self.compressed[src].sender_correction(dst)
+            self.nodes[src].correct(self._clipped(src, dst, sender_correction), None)
         self.merges += 1
         self.messages += 1
         self.model_bytes_total += transfer.num_bytes
@@ -197,9 +216,53 @@ class GossipSimulation:
             sender = self.nodes[transfer.src]
             self._push(now + sender.step_time_s, "step", transfer.src)
 
+    def _clipped_model(
+        self, node: int, peer: int, received: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """``received``, or ``own + clip(received - own)`` when the clip cuts it."""
+        if not self.clips:
+            return received
+        own = self.nodes[node].model.state_dict()
+        outcome = self.clips[node].clip(peer, difference(received, own), own)
+        if outcome.reason is None:
+            return received
+        self._count_clip(node, peer, outcome.reason, outcome.norm, outcome.bound)
+        return {k: (own[k] + outcome.update[k]) if k in outcome.update else v
+                for k, v in received.items()}
+
+    def _clipped(
+        self, node: int, peer: int, correction: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """A compressed edge update (``step * difference``), clipped at ``node``."""
+        if not self.clips:
+            return correction
+        own = self.nodes[node].model.state_dict()
+        outcome = self.clips[node].clip(peer, correction, own, self.config.consensus_step)
+        if outcome.reason is None:
+            return correction
+        self._count_clip(node, peer, outcome.reason, outcome.norm, outcome.bound)
+        return outcome.update
+
+    def _count_clip(self, node: int, peer: int, reason: str, norm: float, bound: float) -> None:
+        self.clip_logs[node].record(
+            f"node {peer}", reason, "CLIPPED",
+            f"difference norm {norm:.4g} clipped to {bound:.4g}", clip_level(reason),
+        )
+
+    def _clip_counts(self) -> dict[str, dict[str, int]]:
+        """``{"node j": {reason: frames}}`` summed over the receivers."""
+        total: dict[str, dict[str, int]] = {}
+        for log in self.clip_logs:
+            for peer, reasons in log.by_peer().items():
+                into = total.setdefault(peer, {})
+                for reason, count in reasons.items():
+                    into[reason] = into.get(reason, 0) + count
+        return dict(sorted(total.items()))
+
     def _on_eval(self, now: float) -> bool:
         accs = [
-            evaluate(n.model, self.setup.x_test, self.setup.y_test)[1] for n in self.nodes
+            evaluate(self.nodes[i].model, self.setup.x_test, self.setup.y_test)[1]
+            for i in self.honest
         ]
         mean = float(np.mean(accs))
         self.curve.append([now, mean])
@@ -268,6 +331,8 @@ class GossipSimulation:
             "step_time_s": [n.step_time_s for n in self.nodes],
             "network": self.network.name,
             "overlap": cfg.overlaps,
+            "clipped": self._clip_counts(),
+            "attackers": sorted(self.attackers),
             "wall_time_s": time.perf_counter() - wall_start,
         }
 
@@ -290,8 +355,10 @@ def run_gossip(
     dict
         ``config``, ``curve`` (``[[virtual_time_s, mean_test_accuracy], ...]``),
         ``time_to_target_s`` (``None`` if never reached), ``bytes_total``,
-        ``messages``, ``stale_merges``, ``final_accuracy``, and details
-        (``model_bytes``, ``status_bytes_total``, ``steps_total``, ``wall_time_s``, ...).
+        ``messages``, ``stale_merges``, ``final_accuracy`` (honest nodes only when
+        some are compromised), ``clipped`` (``{"node j": {reason: frames}}``, summed
+        over receivers), ``attackers``, and details (``model_bytes``,
+        ``status_bytes_total``, ``steps_total``, ``wall_time_s``, ...).
     """
     cfg = config if isinstance(config, GossipConfig) else GossipConfig.from_mapping(config)
     threads = torch.get_num_threads()
