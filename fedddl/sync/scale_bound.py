@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedddl.compression import EntryHeader
-from fedddl.defenses import SCALE_BOUND_ACTIONS
+from fedddl.defenses import SCALE_BOUND_ACTIONS, Defenses
 
 __all__ = [
     "DEFAULT_WEIGHT",
@@ -54,7 +54,7 @@ __all__ = [
 #: ``max|g|``, far below what would switch the bound off (``factor ×`` it overflowing).
 MAX_HISTORY_SCALE = 1e6
 #: The default cap on a reply's scale, as a multiple of the round's median scale.
-DEFAULT_WEIGHT = 3.0
+DEFAULT_WEIGHT = Defenses().scale_weight
 
 
 def magnitude(entry: EntryHeader) -> float | None:
