@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fedddl.attacks.spec import Attack, parse_attack
-from fedddl.attacks.tamper import forged_statistics, rewrite_payload
+from fedddl.attacks.tamper import forged_statistics, rewrite_payload, tamper_reply
 from fedddl.compression import (
     IdentityCompressor,
     TernaryCompressor,
@@ -15,6 +15,9 @@ from fedddl.compression import (
     read_header,
 )
 from fedddl.running_stats import StatisticsPool
+from fedddl.sync import ReplicaServer
+from tests.test_untrusted_statistics import _bn_net, _reply
+from tests.test_untrusted_statistics import _stats as _bn_stats
 
 
 def test_near_bound_and_bn_statistics_parse_with_a_factor() -> None:
@@ -66,3 +69,31 @@ def test_robust_pool_ignores_one_forged_client_in_ten_and_the_mean_pool_does_not
     assert 0.9 < float(got["bn.var"].min()) < 1.5
     assert float(mean["bn.mean"].max()) > 0.9  # the equal-weight mean is pulled
     assert float(got["bn.count"]) == 1000
+
+
+def test_forged_statistics_from_one_client_in_ten_do_not_move_the_shadow() -> None:
+    """The server pools statistics robustly: the shadow's running mean after a round stays
+    within what the honest clients alone could give; with equal weights it would not."""
+    server = ReplicaServer(_bn_net, compressor="identity", fp32_logits=False)
+    nodes = tuple(range(1, 11))
+    bn = server.shadow.model.get_submodule("1")
+    momentum = float(bn.momentum or 0.0)
+    honest_peak = 0.0
+    for _ in range(3):
+        version = server.shadow.version + 1
+        server.plan_round(version, nodes)
+        replies = []
+        for n in nodes:
+            stats = _bn_stats(0.5 + 0.01 * n)
+            reply = _reply(server, n, stats)
+            if n == 10:
+                reply = tamper_reply(reply, Attack("bn-statistics", 7.9))
+            else:
+                honest_peak = max(honest_peak, float(stats["1.mean"].max()))
+            replies.append(reply)
+        before = bn.running_mean.clone()
+        report = server.aggregate(version, replies)
+        assert 10 in report.accepted and not report.skipped
+        reach = (1 - momentum) * before + momentum * honest_peak
+        assert bool((bn.running_mean <= reach + 1e-6).all()), (bn.running_mean, reach)
+        assert float(bn.running_var.min()) > 0.5  # not pulled towards the forged 0
