@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -97,3 +99,22 @@ def test_forged_statistics_from_one_client_in_ten_do_not_move_the_shadow() -> No
         reach = (1 - momentum) * before + momentum * honest_peak
         assert bool((bn.running_mean <= reach + 1e-6).all()), (bn.running_mean, reach)
         assert float(bn.running_var.min()) > 0.5  # not pulled towards the forged 0
+
+
+def test_a_node_clipped_every_round_is_warned_about_once_per_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server = ReplicaServer(_bn_net, compressor="identity", fp32_logits=False)
+    nodes = (1, 2, 3, 4, 5)
+    with caplog.at_level(logging.DEBUG, logger="fedddl"):
+        for _ in range(3):
+            version = server.shadow.version + 1
+            server.plan_round(version, nodes)
+            replies = [
+                _reply(server, n, _bn_stats(mean=1e12) if n == 5 else _bn_stats(0.5 + 0.01 * n))
+                for n in nodes
+            ]
+            report = server.aggregate(version, replies)
+            assert "statistics" in report.clipped[5]  # every round in the report
+    clips = [r for r in caplog.records if "clipping reply: node 5:" in r.getMessage()]
+    assert [r.levelno for r in clips] == [logging.WARNING, logging.DEBUG, logging.DEBUG]
