@@ -166,6 +166,9 @@ class AppConfig:
         ``"clip"`` or ``"drop"`` a reply above the bound.
     scale_bound_rounds : int
         Previous rounds whose accepted scales join the bound's median.
+    scale_weight : float
+        A reply's scale above this multiple of the median is clipped to it (0: no cap
+        below the bound).
     resync_interval : int
         Resyncs (snapshots, multi-update catch-ups) a node causes are served at most once
         every this many rounds, twice as long each time while it keeps failing; 0 or 1: no
@@ -221,6 +224,7 @@ class AppConfig:
     scale_bound: float = _DEFENSES.scale_bound
     scale_bound_action: str = _DEFENSES.scale_bound_action
     scale_bound_rounds: int = _DEFENSES.scale_bound_rounds
+    scale_weight: float = _DEFENSES.scale_weight
     resync_interval: int = _DEFENSES.resync_interval
     attack: str = ""
     num_attackers: int = 0
@@ -390,6 +394,7 @@ class AppConfig:
             scale_bound=self.scale_bound,
             scale_bound_action=self.scale_bound_action,
             scale_bound_rounds=self.scale_bound_rounds,
+            scale_weight=self.scale_weight,
             resync_interval=self.resync_interval,
         )
 

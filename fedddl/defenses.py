@@ -15,6 +15,8 @@ combined, encoded or applied is skipped and logged; sums cannot overflow
   the factor ``k``; 0 disables it), ``scale_bound_action`` (``scale-bound-action``) and
   ``scale_bound_rounds`` (``scale-bound-rounds``); the same factor caps the shared scales
   of the ``shared-scale-sum`` downlink at ``k ×`` the median of the reported ones;
+  ``scale_weight`` (``scale-weight``): a scale above that multiple of the median is
+  clipped to it (0: clipped only above the bound);
 * ``resync_interval`` (``resync-interval``): resyncs a node causes are served at most once
   every that many rounds (:mod:`fedddl.sync.resync_limit`).
 """
@@ -41,6 +43,7 @@ class Defenses:
     scale_bound: float = 8.0
     scale_bound_action: str = "clip"
     scale_bound_rounds: int = 10
+    scale_weight: float = 3.0
     resync_interval: int = 30
 
     def __post_init__(self) -> None:
@@ -60,5 +63,7 @@ class Defenses:
             )
         if self.scale_bound_rounds < 0:
             raise ValueError(f"scale-bound-rounds must be >= 0, got {self.scale_bound_rounds}")
+        if not (self.scale_weight == 0 or 1 <= self.scale_weight < math.inf):
+            raise ValueError(f"scale-weight must be 0 (off) or >= 1, got {self.scale_weight}")
         if self.resync_interval < 0:
             raise ValueError(f"resync-interval must be >= 0, got {self.resync_interval}")

@@ -11,8 +11,9 @@ every replica (why not FedBN-style local statistics: docs/training.md):
 2. The client sends them in fp32 next to its gradient (:func:`encode_statistics`).
 3. The server pools the round's accepted clients with equal weights
    (:class:`StatisticsPool`: mean of the means; mean of ``var + mean²`` minus the pooled
-   mean², i.e. the variance of the union of equally weighted clients) and broadcasts one
-   statistics update with the gradient.
+   mean², i.e. the variance of the union of equally weighted clients; the server's
+   aggregators pool robustly, with coordinate-wise medians, ``robust=True``) and
+   broadcasts one statistics update with the gradient.
 4. Every replica, the server's shadow included, applies it exactly as a BatchNorm layer
    in training mode would apply one batch (:func:`apply_statistics`):
    ``running_mean ← (1 − m)·running_mean + m·mean``, ``running_var ← (1 − m)·running_var +
@@ -201,13 +202,25 @@ def _values_fine(stats: Mapping[str, torch.Tensor], layers: Mapping[str, _BatchN
 
 
 class StatisticsPool:
-    """Pool the statistics of a round's clients with equal weights (see the module docstring)."""
+    """Pool the statistics of a round's clients with equal weights (see the module docstring).
 
-    def __init__(self) -> None:
+    Parameters
+    ----------
+    robust : bool
+        Pool coordinate-wise medians instead of means: per channel, ``mean`` = the median of
+        the clients' means and ``var`` = the median of ``var_i + (mean_i − mean)²`` (the
+        median of two middle values is their mean). Fewer than half the clients cannot move
+        either beyond the honest clients' range, whatever they send.
+    """
+
+    def __init__(self, robust: bool = False) -> None:
         self.clients = 0
+        self.robust = robust
         self._mean: dict[str, torch.Tensor] = {}
         self._second: dict[str, torch.Tensor] = {}
         self._count: dict[str, float] = {}
+        self._means: dict[str, list[torch.Tensor]] = {}
+        self._vars: dict[str, list[torch.Tensor]] = {}
 
     def add(self, stats: Mapping[str, torch.Tensor]) -> None:
         """Add one client's (checked) statistics."""
@@ -217,8 +230,12 @@ class StatisticsPool:
                 self._count[layer] = self._count.get(layer, 0.0) + float(value)
             elif part == MEAN:
                 v = value.to(torch.float64)
-                self._mean[layer] = self._mean.get(layer, 0 * v) + v
                 var = stats[_key(layer, VAR)].to(torch.float64)
+                if self.robust:
+                    self._means.setdefault(layer, []).append(v)
+                    self._vars.setdefault(layer, []).append(var)
+                    continue
+                self._mean[layer] = self._mean.get(layer, 0 * v) + v
                 self._second[layer] = self._second.get(layer, 0 * v) + var + v * v
         self.clients += 1
 
@@ -227,6 +244,12 @@ class StatisticsPool:
         out: dict[str, torch.Tensor] = {}
         if not self.clients:
             return out
+        for layer, means in self._means.items():
+            mean = _median(torch.stack(means))
+            spread = torch.stack(self._vars[layer]) + (torch.stack(means) - mean) ** 2
+            out[_key(layer, MEAN)] = mean.to(torch.float32)
+            out[_key(layer, VAR)] = _median(spread).clamp_min(0.0).to(torch.float32)
+            out[_key(layer, COUNT)] = torch.tensor([self._count[layer]], dtype=torch.float32)
         for layer, total in self._mean.items():
             mean = total / self.clients
             var = (self._second[layer] / self.clients - mean * mean).clamp_min(0.0)
@@ -234,6 +257,13 @@ class StatisticsPool:
             out[_key(layer, VAR)] = var.to(torch.float32)
             out[_key(layer, COUNT)] = torch.tensor([self._count[layer]], dtype=torch.float32)
         return out
+
+
+def _median(values: torch.Tensor) -> torch.Tensor:
+    """Coordinate-wise median over dim 0 (the mean of the two middle values when even)."""
+    ordered = values.sort(dim=0).values
+    n = ordered.shape[0]
+    return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
 
 
 def apply_statistics(

@@ -40,7 +40,7 @@ COLUMNS: dict[str, dict[str, Any]] = {
     "trimmed-mean": {"aggregator": "trimmed-mean"},
     "sign-vote": {"aggregator": "sign-vote"},
 }
-POISONING = ["scale:1e6", "scale:1e30", "sign-flip", "all-plus"]
+POISONING = ["scale:1e6", "scale:1e30", "sign-flip", "all-plus", "near-bound:7.9"]
 REFUSED = ["nan-metrics", "inf-metrics", "huge-examples", "many-tensors"]
 BANDWIDTH = ["resync-spam", "fingerprint-lie"]
 ATTACKERS = (1, 3)

@@ -25,7 +25,7 @@ from fedddl.sync.robust import (
     sign_vote,
     trimmed_mean,
 )
-from fedddl.sync.scale_bound import ScaleBound, lower_median
+from fedddl.sync.scale_bound import DEFAULT_WEIGHT, ScaleBound, lower_median
 
 SHAPES = {"w": (6, 5), "b": (5,)}
 
@@ -170,7 +170,8 @@ def test_scale_bound_clips_or_drops_only_the_outlier() -> None:
     verdict = bound.screen(_headers(attacked))
     median = lower_median([s["w"] for s in attacked.values()])
     assert verdict.bounds["w"] == pytest.approx(8 * median)
-    assert verdict.clip == {9: {"w": verdict.bounds["w"]}}
+    assert verdict.caps["w"] == pytest.approx(DEFAULT_WEIGHT * median)
+    assert verdict.clip == {9: {"w": verdict.caps["w"]}}  # to the cap, not the bound
     assert set(verdict.clipped) == {9}
     assert "1e+30" in verdict.clipped[9] and "'w'" in verdict.clipped[9]
     dropping = ScaleBound(factor=8.0, action="drop", rounds=0).screen(_headers(attacked))
@@ -180,6 +181,24 @@ def test_scale_bound_clips_or_drops_only_the_outlier() -> None:
     told = ScaleBound(factor=8.0, rounds=0).screen(_headers(attacked), {"w": 0.12})
     assert told.bounds["w"] == 0.12
     assert set(told.clip) == {n for n in attacked if attacked[n]["w"] > 0.12}
+
+
+def test_scale_just_under_the_bound_is_clipped_to_the_cap() -> None:
+    """A scale at 7.9x the median passes an 8x bound but weighs at most ``weight`` honest
+    clients; honest scales within the cap are untouched; ``weight = 0`` is the old bound."""
+    honest = {n: {"w": 0.1 + 0.01 * n} for n in range(9)}
+    median = lower_median([s["w"] for s in honest.values()])
+    attacked = {**honest, 9: {"w": 7.9 * median}}
+    verdict = ScaleBound(factor=8.0, rounds=0).screen(_headers(attacked))
+    assert verdict.clip == {9: {"w": pytest.approx(DEFAULT_WEIGHT * median)}}
+    assert "cap" in verdict.clipped[9]
+    for action in ("clip", "drop"):  # under the bound: clipped, never dropped
+        assert not ScaleBound(factor=8.0, action=action, rounds=0).screen(
+            _headers(attacked)
+        ).dropped
+    assert not ScaleBound(factor=8.0, rounds=0, weight=0).screen(_headers(attacked)).clip
+    with pytest.raises(ValueError, match="scale-weight"):
+        ScaleBound(weight=0.5)
 
 
 def test_scale_bound_history_outvotes_a_round_of_attackers_and_round_trips() -> None:

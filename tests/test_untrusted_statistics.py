@@ -116,7 +116,10 @@ def test_a_dense_tensor_is_bounded_by_its_peak_and_non_finite_dense_values_are_r
         replies.append(ClientReply(n, 0, reply.fingerprint, payload, 32, 1.0, None,
                                    reply.statistics))  # fmt: skip
     report = server.aggregate(1, replies)
-    assert set(report.clipped) == {5} and "'2.weight'" in report.clipped[5], report.clipped
+    assert "'2.weight'" in report.clipped[5] and "exceeds the bound" in report.clipped[5]
+    # Random honest tensors of a few values may pass the 3x median cap, never the bound.
+    others = [why for node, why in report.clipped.items() if node != 5]
+    assert all("exceeds the cap" in why for why in others), report.clipped
     entries = {e.name: e for e in read_header(replies[0].payload or b"", dense_peaks=True)}
     assert entries["2.weight"].codec is None and entries["2.weight"].peak is not None
     assert entries["0.weight"].peak == entries["0.weight"].scale

@@ -12,6 +12,12 @@ kind                the attacker's reply
                     for the ``shared-scale-sum`` downlink, and, for a model with BatchNorm,
                     its statistics' means (``× S``) and variances (``× S²``)
 ``sign-flip``       its honest gradient with every code negated (honest scales)
+``near-bound:F``    its honest gradient negated, every scale (dense value) ``× F`` (just under
+                    a scale bound of ``k`` for ``F < k``); reported local scales and
+                    statistics honest
+``bn-statistics:F`` its honest gradient; for a model with BatchNorm, every layer's statistics
+                    forged: each channel's mean set to ``F ×`` the layer's largest honest
+                    ``|mean|``, variance 0
 ``all-plus``        every code +1 at its honest scales
 ``nan-metrics``     its honest gradient, ``loss = NaN``
 ``inf-metrics``     its honest gradient, ``loss = +Inf``
@@ -36,6 +42,8 @@ __all__ = ["ATTACK_KINDS", "Attack", "attacker_partitions", "parse_attack"]
 ATTACK_KINDS: tuple[str, ...] = (
     "scale",
     "sign-flip",
+    "near-bound",
+    "bn-statistics",
     "all-plus",
     "nan-metrics",
     "inf-metrics",
@@ -44,7 +52,7 @@ ATTACK_KINDS: tuple[str, ...] = (
     "fingerprint-lie",
     "many-tensors",
 )
-_WITH_ARG = {"scale"}
+_WITH_ARG = {"scale", "near-bound", "bn-statistics"}
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,7 @@ class Attack:
     kind : str
         One of :data:`ATTACK_KINDS`.
     arg : float | None
-        The argument (``scale``'s factor), else None.
+        The argument (the factor of ``scale``, ``near-bound``, ``bn-statistics``), else None.
     """
 
     kind: str
@@ -85,7 +93,7 @@ def parse_attack(spec: str) -> Attack | None:
             raise ValueError(f"attack {kind!r} takes no argument, got {spec!r}")
         return Attack(kind)
     if not sep:
-        raise ValueError(f"attack {kind!r} needs an argument: {kind}:S")
+        raise ValueError(f"attack {kind!r} needs an argument: {kind}:F")
     try:
         arg = float(raw)
     except ValueError:

@@ -34,12 +34,18 @@ from fedddl.compression.backends.packing import CODE_MINUS, CODE_PLUS, CODE_ZERO
 from fedddl.compression.codecs.wire import FORMAT_VERSION, MAGIC
 from fedddl.sync.messages import ClientReply
 
-__all__ = ["MANY_TENSORS", "many_tensors_payload", "rewrite_payload", "tamper_reply"]
+__all__ = [
+    "MANY_TENSORS",
+    "forged_statistics",
+    "many_tensors_payload",
+    "rewrite_payload",
+    "tamper_reply",
+]
 
 #: Tensors in the ``many-tensors`` payload (the wire format's limit).
 MANY_TENSORS = 1 << 16
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
-_PAYLOAD_KINDS = ("scale", "sign-flip", "all-plus")
+_PAYLOAD_KINDS = ("scale", "sign-flip", "all-plus", "near-bound")
 _WIRE_PREFIX = struct.Struct("<4sBBIQ")
 # dtype float32 (1), kind 2-bit (1), ndim 1, dim 1, scale 1.0
 _ONE_ELEMENT_2BIT = struct.pack("<BBBQf", 1, 1, 1, 1, 1.0)
@@ -61,6 +67,13 @@ def tamper_reply(reply: ClientReply, attack: Attack) -> ClientReply:
     if attack.kind == "fingerprint-lie":
         lie = bytes(b ^ 0xFF for b in bytes.fromhex(reply.fingerprint)).hex()
         return dataclasses.replace(reply, fingerprint=lie)
+    if attack.kind == "bn-statistics":
+        if reply.statistics is None:
+            return reply
+        assert attack.arg is not None
+        return dataclasses.replace(
+            reply, statistics=forged_statistics(reply.statistics, attack.arg)
+        )
     if attack.kind == "many-tensors":
         return dataclasses.replace(reply, payload=many_tensors_payload())
     if attack.kind in _PAYLOAD_KINDS:
@@ -79,11 +92,13 @@ def tamper_reply(reply: ClientReply, attack: Attack) -> ClientReply:
 
 
 def rewrite_payload(payload: bytes, attack: Attack) -> bytes:
-    """``payload`` with its values changed by a ``scale``, ``sign-flip`` or ``all-plus`` attack.
+    """``payload`` with its values changed by a ``scale``, ``sign-flip``, ``all-plus`` or
+    ``near-bound`` attack.
 
     Ternary entries keep their codec: ``scale:S`` multiplies the scale (capped at the
     largest finite float32), ``sign-flip`` negates the codes, ``all-plus`` sets every code
-    to +1. Dense entries get the same treatment on their values.
+    to +1, ``near-bound:F`` negates the codes and multiplies the scale. Dense entries get
+    the same treatment on their values.
     """
     entries = read_header(payload)
     decoded = decode_update(payload)
@@ -97,10 +112,10 @@ def rewrite_payload(payload: bytes, attack: Attack) -> bytes:
             continue
         codes = torch.sign(tensor.to(torch.float32))
         scale = entry.scale
-        if attack.kind == "scale":
+        if attack.kind in ("scale", "near-bound"):
             assert attack.arg is not None
             scale = min(scale * attack.arg, _FLOAT32_MAX)
-        elif attack.kind == "sign-flip":
+        if attack.kind in ("sign-flip", "near-bound"):
             codes = -codes
         elif attack.kind == "all-plus":
             codes = torch.ones_like(codes)
@@ -124,10 +139,27 @@ def _scaled_statistics(statistics: bytes, factor: float) -> bytes:
     return encode_update(stats, IdentityCompressor())
 
 
+def forged_statistics(statistics: bytes, factor: float) -> bytes:
+    """BatchNorm statistics forged by ``bn-statistics:F``: per layer, every mean set to
+    ``factor ×`` the layer's largest ``|mean|``, every variance 0."""
+    from fedddl.compression import IdentityCompressor
+
+    stats = decode_update(statistics)
+    for key, value in stats.items():
+        part = key.rpartition(".")[2]
+        if part == "mean":
+            peak = float(value.abs().max()) if value.numel() else 0.0
+            stats[key] = torch.full_like(value, min(factor * peak, _FLOAT32_MAX / 2))
+        elif part == "var":
+            stats[key] = torch.zeros_like(value)
+    return encode_update(stats, IdentityCompressor())
+
+
 def _dense(tensor: torch.Tensor, attack: Attack) -> torch.Tensor:
-    if attack.kind == "scale":
+    if attack.kind in ("scale", "near-bound"):
         assert attack.arg is not None
-        wide = tensor.to(torch.float64) * attack.arg
+        sign = -1.0 if attack.kind == "near-bound" else 1.0
+        wide = tensor.to(torch.float64) * (sign * attack.arg)
         return wide.clamp(-_FLOAT32_MAX, _FLOAT32_MAX).to(tensor.dtype)
     if attack.kind == "sign-flip":
         return -tensor

@@ -186,6 +186,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="previous rounds whose scales join the bound's median",
     )
     parser.add_argument(
+        "--scale-weight",
+        type=float,
+        default=3.0,
+        help="a reply's scale above this multiple of the median is clipped to it (0: off)",
+    )
+    parser.add_argument(
         "--resync-interval",
         type=int,
         default=30,
@@ -262,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
             scale_bound=args.scale_bound,
             scale_bound_action=args.scale_bound_action,
             scale_bound_rounds=args.scale_bound_rounds,
+            scale_weight=args.scale_weight,
             resync_interval=args.resync_interval,
             attack=args.attack,
             num_attackers=args.num_attackers,

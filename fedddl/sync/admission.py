@@ -10,7 +10,7 @@ batches) into one reused buffer, so server memory stays flat in the number of cl
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from logging import WARNING, getLogger
+from logging import DEBUG, WARNING, getLogger
 
 import torch
 from torch import nn
@@ -83,12 +83,14 @@ def combination_key(reply: ClientReply) -> tuple[int, int, int]:
 
 class ReplyAdmission:
     """Runs the checks over a round's replies, telling ``nodes`` and ``resyncs`` what each
-    reply showed about its node."""
+    reply showed about its node. A clip is logged at WARNING the first time a node is
+    clipped by a round bound, at DEBUG afterwards (every clip stays in the round's report)."""
 
     def __init__(self, nodes: NodeBook, resyncs: ResyncLimiter) -> None:
         self.nodes = nodes
         self.resyncs = resyncs
         self._specs: dict[str, PayloadSpec] = {}
+        self._warned: set[tuple[int, str]] = set()  # (node, round bound) clips logged
 
     def spec(
         self, compressor: str, model: nn.Module, clip_sigma: float, dense: frozenset[str]
@@ -112,6 +114,7 @@ class ReplyAdmission:
         self.nodes.end_round()
         clip: dict[int, dict[str, float]] = {}
         clipped: dict[int, str] = {}
+        first: set[int] = set()  # nodes clipped for a reason not logged before
         for bound in ROUND_BOUNDS:
             verdict = bound(screened, rules)
             for node, why in verdict.dropped.items():
@@ -119,11 +122,14 @@ class ReplyAdmission:
             screened = [s for s in screened if s.reply.node_id not in verdict.dropped]
             for node, why in verdict.clipped.items():
                 clipped[node] = f"{clipped[node]}; {why}" if node in clipped else why
+                if (node, bound.__name__) not in self._warned:
+                    self._warned.add((node, bound.__name__))
+                    first.add(node)
             for node, tensors in verdict.clip.items():
                 clip.setdefault(node, {}).update(tensors)
         for node, why in clipped.items():
             report.clipped[node] = why
-            logger.log(WARNING, "clipping reply: %s", why)
+            logger.log(WARNING if node in first else DEBUG, "clipping reply: %s", why)
         bounded = [
             Screened(s.reply, s.message, clip.get(s.reply.node_id, {}), s.statistics)
             for s in screened

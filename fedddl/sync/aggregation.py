@@ -146,7 +146,7 @@ def running_mean(
         if sums is not None and code_scales is not None:
             sums = _add_codes(sums, gradient, code_scales)
         if contribution.statistics is not None:
-            pool = pool or StatisticsPool()
+            pool = pool or StatisticsPool(robust=True)
             pool.add(contribution.statistics)
         contributors.append(contribution.reply)
     if not contributors:

@@ -23,8 +23,9 @@ each decoded into a buffer the next one overwrites) and the shared code scales o
     coordinate's vote by at most one, whatever its scale. Streams like the mean (an int32
     vote per value plus one scale per tensor and reply).
 
-Every aggregator pools the BatchNorm statistics like the mean
-(:class:`fedddl.running_stats.StatisticsPool`). The median and the trimmed mean keep a
+Every aggregator, the mean included, pools the BatchNorm statistics with coordinate-wise
+medians (:class:`fedddl.running_stats.StatisticsPool` with ``robust=True``): statistics are
+as untrusted as gradients. The median and the trimmed mean keep a
 float32 copy of every contribution (``n ×`` the model). Only the mean returns the
 ``code_sums`` of the ``shared-scale-sum`` downlink; the others' aggregate is re-encoded.
 """
@@ -85,7 +86,7 @@ def coordinate_median(
 ) -> Aggregate:
     """Coordinate-wise median of the contributions (see the module docstring)."""
     del code_scales
-    pool = StatisticsPool()
+    pool = StatisticsPool(robust=True)
     replies, stacked = _stacked(contributions, pool)
     if not replies:
         return Aggregate({})
@@ -113,7 +114,7 @@ def trimmed_mean(
     del code_scales
     if not 0 <= trim_fraction < 0.5:
         raise ValueError(f"trim-fraction must be in [0, 0.5), got {trim_fraction}")
-    pool = StatisticsPool()
+    pool = StatisticsPool(robust=True)
     replies, stacked = _stacked(contributions, pool)
     if not replies:
         return Aggregate({})
@@ -135,7 +136,7 @@ def sign_vote(
     scales: dict[str, list[float]] = {}
     shapes: dict[str, torch.Size] = {}
     replies: list[ClientReply] = []
-    pool = StatisticsPool()
+    pool = StatisticsPool(robust=True)
     for contribution in _pooling(contributions, pool):
         gradient = contribution.gradient
         if not replies:

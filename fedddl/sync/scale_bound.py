@@ -15,15 +15,18 @@ would dominate a mean.
 * ``bound`` = ``factor × reference``; with the ``shared-scale-sum`` downlink the bound of a
   tensor is the shared scale the server sent for it (every honest client encodes at
   exactly that scale);
-* a reply with a scale above the bound is **clipped** (action ``"clip"``: its decoded values
-  become ``± bound``, its codes are kept) or **dropped** (action ``"drop"``); the reason
-  names the tensor, the scale and the bound.
+* ``cap`` = ``weight × reference`` (at most the bound): a reply's scale above it is
+  **clipped** to it (its decoded values become ``± cap``, its codes are kept), so one
+  client weighs at most ``weight`` honest clients of median scale, not ``factor`` of them;
+* a reply with a scale above the bound is clipped to the cap as well (action ``"clip"``)
+  or **dropped** (action ``"drop"``); the reason names the tensor, the scale and the limit.
 
 Only the scales at or below their bound enter the history. ``factor = 0`` disables the
-bound. A dense entry (TernGrad's fp32-exempt tensors, a compressor's small tensors sent
+bound (and the cap); ``weight = 0`` disables the cap (clipping then goes to the bound).
+A dense entry (TernGrad's fp32-exempt tensors, a compressor's small tensors sent
 uncompressed) is bounded the same way by its largest magnitude
 (:attr:`~fedddl.compression.codecs.wire.EntryHeader.peak`, measured from the header's dense data
-before anything else is decoded); clipping it clamps its values to ``± bound``.
+before anything else is decoded); clipping it clamps its values to ``± cap``.
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedddl.compression import EntryHeader
-from fedddl.defenses import SCALE_BOUND_ACTIONS
+from fedddl.defenses import SCALE_BOUND_ACTIONS, Defenses
 
 __all__ = [
+    "DEFAULT_WEIGHT",
     "MAX_HISTORY_SCALE",
     "SCALE_BOUND_ACTIONS",
     "BoundVerdict",
@@ -49,6 +53,8 @@ __all__ = [
 #: The largest scale a restored history may hold: far above any honest gradient's
 #: ``max|g|``, far below what would switch the bound off (``factor ×`` it overflowing).
 MAX_HISTORY_SCALE = 1e6
+#: The default cap on a reply's scale, as a multiple of the round's median scale.
+DEFAULT_WEIGHT = Defenses().scale_weight
 
 
 def magnitude(entry: EntryHeader) -> float | None:
@@ -77,19 +83,22 @@ class BoundVerdict:
     Attributes
     ----------
     clip : dict[int, dict[str, float]]
-        Node → tensor → bound: decode the tensor as ``bound × code``.
+        Node → tensor → limit: decode the tensor as ``limit × code``.
     clipped : dict[int, str]
         Node → why it was clipped.
     dropped : dict[int, str]
         Node → why it was dropped (action ``"drop"``).
     bounds : dict[str, float]
         The bound of every tensor that had ternary entries.
+    caps : dict[str, float]
+        The cap of every tensor that had ternary entries (at most its bound).
     """
 
     clip: dict[int, dict[str, float]] = field(default_factory=dict)
     clipped: dict[int, str] = field(default_factory=dict)
     dropped: dict[int, str] = field(default_factory=dict)
     bounds: dict[str, float] = field(default_factory=dict)
+    caps: dict[str, float] = field(default_factory=dict)
 
 
 class ScaleBound:
@@ -103,11 +112,21 @@ class ScaleBound:
         ``"clip"`` or ``"drop"``.
     rounds : int
         Previous rounds whose accepted scales join the median (0: this round only).
+    weight : float
+        The cap's multiple of the median (0: no cap below the bound).
     """
 
-    def __init__(self, factor: float = 8.0, action: str = "clip", rounds: int = 10) -> None:
+    def __init__(
+        self,
+        factor: float = 8.0,
+        action: str = "clip",
+        rounds: int = 10,
+        weight: float = DEFAULT_WEIGHT,
+    ) -> None:
         if not (factor == 0 or 1 <= factor < math.inf):
             raise ValueError(f"scale-bound must be 0 (off) or >= 1, got {factor}")
+        if not (weight == 0 or 1 <= weight < math.inf):
+            raise ValueError(f"scale-weight must be 0 (off) or >= 1, got {weight}")
         if action not in SCALE_BOUND_ACTIONS:
             raise ValueError(
                 f"scale-bound-action must be one of {', '.join(SCALE_BOUND_ACTIONS)}, "
@@ -118,6 +137,7 @@ class ScaleBound:
         self.factor = float(factor)
         self.action = action
         self.rounds = rounds
+        self.weight = float(weight)
         self.history: deque[dict[str, list[float]]] = deque(maxlen=max(rounds, 1))
 
     @property
@@ -162,22 +182,26 @@ class ScaleBound:
         for name, values in scales.items():
             told = None if expected is None else expected.get(name)
             if told is not None and told > 0:
-                verdict.bounds[name] = told
+                verdict.bounds[name] = verdict.caps[name] = told
                 continue
             pooled = list(values)
             for past in self.history if self.rounds else ():
                 pooled.extend(past.get(name, ()))
-            verdict.bounds[name] = self.factor * lower_median(pooled)
-            if floors is not None:
-                verdict.bounds[name] = max(verdict.bounds[name], floors.get(name, 0.0))
+            reference = lower_median(pooled)
+            floor = 0.0 if floors is None else floors.get(name, 0.0)
+            verdict.bounds[name] = max(self.factor * reference, floor)
+            cap = self.weight * reference if self.weight else verdict.bounds[name]
+            verdict.caps[name] = min(max(cap, floor), verdict.bounds[name])
         accepted: dict[str, list[float]] = {}
         for node, entries in headers.items():
             peaks = [(e.name, magnitude(e)) for e in entries]
             over = [(n, p) for n, p in peaks if p is not None and p > verdict.bounds[n]]
-            if over:
+            if over and self.action == "drop":
                 self._judge(verdict, node, over)
-                if self.action == "drop":
-                    continue
+                continue
+            heavy = [(n, p) for n, p in peaks if p is not None and p > verdict.caps[n]]
+            if heavy:
+                self._judge(verdict, node, heavy)
             for name, peak in peaks:
                 if peak is not None and peak <= verdict.bounds[name]:
                     accepted.setdefault(name, []).append(peak)
@@ -186,18 +210,26 @@ class ScaleBound:
         return verdict
 
     def _judge(self, verdict: BoundVerdict, node: int, over: list[tuple[str, float]]) -> None:
-        name, scale = max(over, key=lambda item: item[1] / max(verdict.bounds[item[0]], 1e-45))
-        action = "clipped" if self.action == "clip" else "dropped"
+        """Clip ``over`` to the caps, or drop the node (action ``"drop"``, scales over the
+        bound)."""
+        dropping = self.action == "drop" and any(p > verdict.bounds[n] for n, p in over)
+        name, scale = max(over, key=lambda item: item[1] / max(verdict.caps[item[0]], 1e-45))
         more = f" (and {len(over) - 1} more tensors)" if len(over) > 1 else ""
-        reason = (
-            f"node {node}: scale {scale:.4g} of tensor {name!r} exceeds the bound "
-            f"{verdict.bounds[name]:.4g}{more}: {action}"
-        )
-        if self.action == "clip":
-            verdict.clip[node] = {n: verdict.bounds[n] for n, _ in over}
-            verdict.clipped[node] = reason
+        bound, cap = verdict.bounds[name], verdict.caps[name]
+        if dropping:
+            outcome = "dropped"
+        elif scale > bound:
+            outcome = f"clipped to the cap {cap:.4g}"
         else:
+            outcome = "clipped"
+        limit = f"the bound {bound:.4g}" if scale > bound else f"the cap {cap:.4g}"
+        reason = f"node {node}: scale {scale:.4g} of tensor {name!r} exceeds {limit}{more}: "
+        reason += outcome
+        if dropping:
             verdict.dropped[node] = reason
+        else:
+            verdict.clip[node] = {n: verdict.caps[n] for n, _ in over}
+            verdict.clipped[node] = reason
 
     # ----------------------------------------------------------- checkpoints
     def state(self) -> dict[str, Any]:

@@ -330,7 +330,9 @@ class ReplicaServer:
 
     def _new_scale_bound(self) -> ScaleBound:
         d = self.defenses
-        return ScaleBound(d.scale_bound, d.scale_bound_action, d.scale_bound_rounds)
+        return ScaleBound(
+            d.scale_bound, d.scale_bound_action, d.scale_bound_rounds, d.scale_weight
+        )
 
     def _owner(self) -> str:
         return f"{type(self.hooks).__module__}.{type(self.hooks).__qualname__}"

@@ -1,10 +1,11 @@
 """Screening of the BatchNorm statistics a reply carries (:mod:`fedddl.running_stats`).
 
 A client of a model with BatchNorm layers sends, next to its gradient, the per-channel
-mean, (biased) variance and count of its layers' inputs; the server pools them with equal
-weights and every replica moves its running statistics by the pooled values. An attacker
-can send any finite numbers there, so besides :func:`fedddl.running_stats.check_statistics`
-(names, shapes, finite, ``var >= 0``, ``count >= 1``) the server:
+mean, (biased) variance and count of its layers' inputs; the server pools them with
+coordinate-wise medians and every replica moves its running statistics by the pooled
+values. An attacker can send any finite numbers there, so besides
+:func:`fedddl.running_stats.check_statistics` (names, shapes, finite, ``var >= 0``,
+``count >= 1``) the server:
 
 * refuses statistics beyond :data:`MAX_ABS_MEAN`, :data:`MAX_VAR` or :data:`MAX_COUNT`
   (:func:`check_statistics_range`): no honest input comes near them, and below them the
