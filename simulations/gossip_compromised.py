@@ -25,6 +25,7 @@ import torch
 from fedddl.data import as_tensors, get_labels, load_dataset
 from fedddl.deploy.certs import write_tls_material
 from fedddl.gossip.clip import DEFAULT_CLIP
+from fedddl.gossip.local_peers import run_to_completion
 from fedddl.gossip.peer_node import NodeConfig, PeerNode, TrainingData
 from fedddl.gossip.simulator import run_gossip
 from fedddl.gossip.tls import PeerTls
@@ -74,18 +75,7 @@ def real_peers(
         nodes.append(PeerNode(config, create_model("digits", seed=seed), data,
                               tls=PeerTls.load(certs, i)))
     start = time.perf_counter()
-    for node in nodes:
-        node.serve()
-    addresses = {n.node_id: n.server.address for n in nodes}
-    try:
-        for node in nodes:
-            node.set_peers(addresses)
-        for node in nodes:
-            node.start_training()
-        finished = all(node.wait_done(600) for node in nodes)
-    finally:
-        for node in nodes:
-            node.stop(grace_s=0)
+    finished = run_to_completion(nodes, timeout_s=600)
     metrics = [n.metrics() for n in nodes]
     honest = [m for m in metrics if m["node_id"] != ATTACKER or not attack]
     clipped = {m["node_id"]: m["clipped"].get(f"node {ATTACKER}", {}) for m in honest}

@@ -8,6 +8,7 @@ import grpc
 import torch
 
 from fedddl.deploy.certs import write_tls_material
+from fedddl.gossip.local_peers import run_to_completion
 from fedddl.gossip.peer_node import NodeConfig, PeerNode, TrainingData
 from fedddl.gossip.scheduler import PeerState
 from fedddl.gossip.tls import PeerTls, peer_name
@@ -15,7 +16,14 @@ from fedddl.gossip.transport import EXCHANGE_METHOD
 from fedddl.gossip.wire import FrameKind, decode_frame, encode_frame
 from fedddl.models import create_model
 
-__all__ = ["issue_certs", "make_node", "model_frame", "raw_send", "tiny_data"]
+__all__ = [
+    "issue_certs",
+    "make_node",
+    "model_frame",
+    "raw_send",
+    "run_to_completion",
+    "tiny_data",
+]
 
 
 def tiny_data(seed: int) -> TrainingData:
@@ -80,22 +88,3 @@ def raw_send(
             return exc.code(), exc.details() or ""
     assert decode_frame(reply).kind is FrameKind.ACK
     return grpc.StatusCode.OK, ""
-
-
-def run_to_completion(nodes: list[PeerNode], timeout_s: float) -> bool:
-    """Serve ``nodes``, give each the others' addresses, train them all, stop them.
-
-    Returns whether every node finished its steps within ``timeout_s`` (each).
-    """
-    for node in nodes:
-        node.serve()
-    addresses = {n.node_id: n.server.address for n in nodes}
-    try:
-        for node in nodes:
-            node.set_peers(addresses)
-        for node in nodes:
-            node.start_training()
-        return all(node.wait_done(timeout_s) for node in nodes)
-    finally:
-        for node in nodes:
-            node.stop(grace_s=0)
