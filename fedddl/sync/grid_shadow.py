@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import replace
+from typing import NoReturn
 
 import torch
 from torch import nn
@@ -29,11 +30,14 @@ from fedddl.running_stats import apply_statistics, check_statistics
 from fedddl.sync.grid_log import GridLog
 from fedddl.sync.grid_quantizer import GridQuantizer
 from fedddl.sync.grid_replica import GridReplica
+from fedddl.sync.report import RoundReport
 
-__all__ = ["SNAPSHOT_KEY", "GridShadow"]
+__all__ = ["NO_CHECKPOINTS", "SNAPSHOT_KEY", "GridShadow"]
 
 #: The one entry of a grid snapshot in :attr:`TrainInstruction.snapshot` (a uint8 tensor).
 SNAPSHOT_KEY = "grid"
+#: Why a grid server cannot checkpoint or restore.
+NO_CHECKPOINTS = "checkpoints are not supported with downlink 'grid'"
 
 
 class GridShadow:
@@ -85,6 +89,32 @@ class GridShadow:
                 n: torch.zeros(s, dtype=torch.float32) for n, s in self.replica.layout.items()
             }
         return self._buffers
+
+    def apply_or_explain(
+        self,
+        gradient: Mapping[str, torch.Tensor],
+        statistics: Mapping[str, torch.Tensor],
+        report: RoundReport,
+    ) -> str:
+        """:meth:`step`, recording the format in ``report``; on failure change nothing and
+        return why (hostile values that reached the aggregate)."""
+        try:
+            self.step(gradient, statistics)
+        except Exception as err:
+            report.downlink_format = "none"
+            return f"the aggregate could not be applied on the grid: {type(err).__name__}: {err}"
+        report.downlink_format = "grid"
+        return ""
+
+    def checkpoint(self, *args: object, **kwargs: object) -> NoReturn:
+        """Refused: :data:`NO_CHECKPOINTS`."""
+        raise ValueError(NO_CHECKPOINTS)
+
+    def load(self, *args: object, **kwargs: object) -> NoReturn:
+        """Refused: :data:`NO_CHECKPOINTS`."""
+        raise ValueError(NO_CHECKPOINTS)
+
+    adopt = load
 
     def step(
         self, gradient: Mapping[str, torch.Tensor], statistics: Mapping[str, torch.Tensor]

@@ -276,15 +276,9 @@ class ReplicaServer:
     ) -> str:
         """Encode, apply and log the aggregate; on failure change nothing and return why."""
         if isinstance(self.replica, GridShadow):
-            try:
-                self.replica.step(aggregate.gradient, aggregate.statistics or {})
-            except Exception as err:  # hostile values that reached the aggregate
-                report.downlink_format = "none"
-                return (
-                    f"the aggregate could not be applied on the grid: {type(err).__name__}: {err}"
-                )
-            report.downlink_format = "grid"
-            return ""
+            return self.replica.apply_or_explain(
+                aggregate.gradient, aggregate.statistics or {}, report
+            )
         saved = self.broadcast.memory.save()
         try:
             payload, report.downlink_format = self.hooks.encode_downlink(server_round, aggregate)
@@ -304,8 +298,6 @@ class ReplicaServer:
     # ------------------------------------------------------------- checkpoints
     def checkpoint(self, server_round: int, config: dict[str, object]) -> ServerCheckpoint:
         """Capture the server state after global round ``server_round`` (config: the run's)."""
-        if isinstance(self.replica, GridShadow):
-            raise ValueError("checkpoints are not supported with downlink 'grid'")
         return self.replica.checkpoint(
             server_round,
             config,
@@ -318,8 +310,6 @@ class ReplicaServer:
     def restore(self, ckpt: ServerCheckpoint) -> None:
         """Continue from ``ckpt``; raises ``CheckpointError`` and changes nothing if it does
         not fit. The server then knows no client: each node's first message is a snapshot."""
-        if isinstance(self.replica, GridShadow):
-            raise ValueError("checkpoints are not supported with downlink 'grid'")
         restored = self.replica.load(ckpt, self._owner())
         self.scale_bound = load_scale_bound(ckpt, self._new_scale_bound())
         self.replica.adopt(restored, ckpt)
