@@ -1,12 +1,14 @@
 """Seconds a round and process peak memory against the size of the federation.
 
 Runs TernGrad (``grid`` downlink) on digits with the inline engine
-(:mod:`fedddl.flower.inline_grid`, ``random`` shards: 1,000 stratified digits shards do
-not exist) at each ``clients:fraction`` pair of ``--configs``, each
-in a fresh subprocess, every other setting at its default (evaluation only after the last
-round). It prints per run the clients sampled a round, the median seconds a round (round 1
-excluded), the mean bytes down a round, and the process' peak RSS: the inline engine runs
-the clients in the server's process, so that figure is server and inline clients together.
+(:mod:`fedddl.flower.inline_grid`; ``random`` shards, as 1,000 stratified digits shards do
+not exist) at each ``clients:fraction`` pair of ``--configs``, each in a fresh subprocess,
+every other setting at its default (evaluation only after the last round). It prints per run
+the mean replies accepted a round, the nodes whose client state is not empty at the end, the
+nodes the server's per-node structures hold (``NodeBook``, ``ResyncLimiter``), the median
+seconds a round (round 1 excluded), the mean bytes down a round (round 1 excluded) and the
+process' peak RSS: the inline engine runs the clients in the server's process, so that
+figure is server and inline clients together.
 
     python -m simulations.bench_scale
 """
@@ -34,6 +36,7 @@ def _child(clients: int, fraction: float, rounds: int, seed: int) -> dict[str, A
     from fedddl.app_config import AppConfig
     from fedddl.flower.inline_grid import InlineGrid
     from fedddl.sync.nodes import NodeBook
+    from fedddl.sync.resync_limit import ResyncLimiter
     from strategies.server_app import run_server
 
     torch.set_num_threads(1)
@@ -54,15 +57,19 @@ def _child(clients: int, fraction: float, rounds: int, seed: int) -> dict[str, A
     spent = time.perf_counter() - start
     rows = result["rounds"]
     late = rows[1:] or rows
-    books = [o for o in gc.get_objects() if isinstance(o, NodeBook)]
-    known = max((len(b.version) for b in books), default=0)
+    known: set[int] = set()
+    for held in gc.get_objects():
+        if isinstance(held, NodeBook):
+            known |= set(held.version) | set(held.compressor)
+        elif isinstance(held, ResyncLimiter):
+            known |= held.needing | set(held.last_served) | set(held.strikes)
     trained = sum(1 for c in grid.contexts.values() if len(c.state) > 0)
     return {
         "clients": clients,
         "fraction": fraction,
         "accepted": statistics.mean(r.get("accepted", 0) for r in rows),
         "trained_nodes": trained,
-        "server_known_nodes": known,
+        "server_known_nodes": len(known),
         "s_per_round": statistics.median(r["wall_s"] for r in late),
         "bytes_down": sum(r["bytes_down"] for r in late) / len(late),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
