@@ -8,7 +8,9 @@ the mean replies accepted a round, the nodes whose client state is not empty at 
 nodes the server's per-node structures hold (``NodeBook``, ``ResyncLimiter``), the median
 seconds a round (round 1 excluded), the mean bytes down a round (round 1 excluded) and the
 process' peak RSS: the inline engine runs the clients in the server's process, so that
-figure is server and inline clients together.
+figure is server and inline clients together. ``--engine ray`` runs Flower's Ray simulation
+instead: the clients run in Ray actors, the RSS is the driver's (server and Ray driver) and
+client state is not counted.
 
     python -m simulations.bench_scale
 """
@@ -28,13 +30,14 @@ from typing import Any
 _CONFIGS = "100:0.05,1000:0.005,1000:0.01,1000:0.05"
 
 
-def _child(clients: int, fraction: float, rounds: int, seed: int) -> dict[str, Any]:
+def _child(clients: int, fraction: float, rounds: int, seed: int, engine: str) -> dict[str, Any]:
     """One run in this process; returns its measurements."""
     import torch
 
     from clients.client_app import make_client_app
     from fedddl.app_config import AppConfig
     from fedddl.flower.inline_grid import InlineGrid
+    from fedddl.flower.simulation import run
     from fedddl.sync.nodes import NodeBook
     from fedddl.sync.resync_limit import ResyncLimiter
     from strategies.server_app import run_server
@@ -52,8 +55,12 @@ def _child(clients: int, fraction: float, rounds: int, seed: int) -> dict[str, A
         seed=seed,
     )
     start = time.perf_counter()
-    grid = InlineGrid(make_client_app(cfg), clients)
-    result = run_server(grid, cfg, progress=lambda _: None)
+    grid = None
+    if engine == "inline":
+        grid = InlineGrid(make_client_app(cfg), clients)
+        result = run_server(grid, cfg, progress=lambda _: None)
+    else:
+        result = run(cfg, num_clients=clients, engine="ray", progress=None)
     spent = time.perf_counter() - start
     rows = result["rounds"]
     late = rows[1:] or rows
@@ -63,7 +70,7 @@ def _child(clients: int, fraction: float, rounds: int, seed: int) -> dict[str, A
             known |= set(held.version) | set(held.compressor)
         elif isinstance(held, ResyncLimiter):
             known |= held.needing | set(held.last_served) | set(held.strikes)
-    trained = sum(1 for c in grid.contexts.values() if len(c.state) > 0)
+    trained = None if grid is None else sum(1 for c in grid.contexts.values() if c.state)
     return {
         "clients": clients,
         "fraction": fraction,
@@ -77,9 +84,10 @@ def _child(clients: int, fraction: float, rounds: int, seed: int) -> dict[str, A
     }
 
 
-def _spawn(clients: int, fraction: float, rounds: int, seed: int) -> dict[str, Any]:
+def _spawn(clients: int, fraction: float, rounds: int, seed: int, engine: str) -> dict[str, Any]:
     argv = [sys.executable, "-m", "simulations.bench_scale", "--child"]
     argv += [f"{clients}:{fraction}", "--rounds", str(rounds), "--seed", str(seed)]
+    argv += ["--engine", engine]
     out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
     parsed: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     return parsed
@@ -97,24 +105,29 @@ def main(argv: list[str] | None = None) -> int:
         "--configs", default=_CONFIGS, help=f"clients:fraction pairs (default: {_CONFIGS})"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
+    parser.add_argument(
+        "--engine", default="inline", choices=("inline", "ray"), help="engine (default: inline)"
+    )
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rounds < 2:
         parser.error("--rounds must be at least 2")
     if args.child:
-        print(json.dumps(_child(*_pair(args.child), args.rounds, args.seed)))
+        print(json.dumps(_child(*_pair(args.child), args.rounds, args.seed, args.engine)))
         return 0
-    print(f"TernGrad (grid), digits, {args.rounds} rounds, seed {args.seed}, inline engine;")
-    print("s/round: median after round 1; peak RSS: process (server + inline clients)\n")
+    print(f"TernGrad (grid), digits, {args.rounds} rounds, seed {args.seed}, {args.engine} engine;")
+    who = "server + inline clients" if args.engine == "inline" else "server, Ray driver"
+    print(f"s/round: median after round 1; peak RSS: process ({who})\n")
     print(
         f"{'clients':>7} {'fraction':>8} {'replies':>7} {'trained':>7} {'known':>5} {'s/round':>8} "
         f"{'down B/rd':>10} {'peak RSS MiB':>12} {'time s':>7}"
     )
     for text in args.configs.split(","):
-        row = _spawn(*_pair(text), args.rounds, args.seed)
+        row = _spawn(*_pair(text), args.rounds, args.seed, args.engine)
         print(
             f"{row['clients']:>7} {row['fraction']:>8.3f} {row['accepted']:>7.1f} "
-            f"{row['trained_nodes']:>7} {row['server_known_nodes']:>5} "
+            f"{row['trained_nodes'] if row['trained_nodes'] is not None else '-':>7} "
+            f"{row['server_known_nodes']:>5} "
             f"{row['s_per_round']:>8.4f} {row['bytes_down']:>10.0f} "
             f"{row['peak_rss_mib']:>12.1f} {row['runtime_s']:>7.1f}",
             flush=True,
