@@ -9,11 +9,9 @@ the state and reply. With ``downlink = "grid"`` the state is the grid snapshot o
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 from flwr.app import Context, Message
-from torch import nn
 
 from clients.grid_state import load_grid_state, save_grid_state
 from clients.shard import load_shard, partition_of
@@ -21,8 +19,8 @@ from clients.state import load_state, save_state
 from fedddl.app_config import AppConfig
 from fedddl.devices import resolve_device
 from fedddl.flower.protocol import build_reply_content, parse_train_content
-from fedddl.sync.messages import ClientReply, TrainInstruction
-from fedddl.sync.worker import run_instruction
+from fedddl.sync.messages import ClientReply
+from fedddl.sync.worker import WorkerState, run_instruction
 
 __all__ = ["compute_reply", "handle_localized_train"]
 
@@ -41,19 +39,21 @@ def compute_reply(message: Message, context: Context, cfg: AppConfig) -> ClientR
     key = context.run_id  # the run's clients in this process share one live replica
     where = cfg.client_snapshot_dir
     snapshot_dir = None if where in ("auto", "state") else Path(where)
+    state: WorkerState
     if cfg.downlink == "grid":
-        return _grid_reply(instruction, context, cfg, model_fn)
-    state = load_state(
-        context.state,
-        model_fn,
-        cfg.learning_rate,
-        cfg.momentum,
-        key=key,
-        lr_decay=cfg.lr_decay(),
-        updates=None if instruction.snapshot is not None else dict(instruction.updates),
-        target=instruction.model_version,
-        snapshot_dir=snapshot_dir,
-    )
+        state = load_grid_state(context.state, model_fn)
+    else:
+        state = load_state(
+            context.state,
+            model_fn,
+            cfg.learning_rate,
+            cfg.momentum,
+            key=key,
+            lr_decay=cfg.lr_decay(),
+            updates=None if instruction.snapshot is not None else dict(instruction.updates),
+            target=instruction.model_version,
+            snapshot_dir=snapshot_dir,
+        )
     reply = run_instruction(
         state,
         instruction,
@@ -63,27 +63,8 @@ def compute_reply(message: Message, context: Context, cfg: AppConfig) -> ClientR
         model_fn=model_fn,
         cfg=cfg,
     )
-    save_state(context.state, state, key=key, snapshot_dir=snapshot_dir)
-    return reply
-
-
-def _grid_reply(
-    instruction: TrainInstruction,
-    context: Context,
-    cfg: AppConfig,
-    model_fn: Callable[[], nn.Module],
-) -> ClientReply:
-    """:func:`compute_reply` for the ``grid`` downlink (state: :mod:`clients.grid_state`)."""
-    pid, num = partition_of(context.node_config)
-    state = load_grid_state(context.state, model_fn)
-    reply = run_instruction(
-        state,
-        instruction,
-        node_id=int(context.node_id),
-        partition_id=pid,
-        shard=lambda: load_shard(cfg, pid, num),
-        model_fn=model_fn,
-        cfg=cfg,
-    )
-    save_grid_state(context.state, state)
+    if cfg.downlink == "grid":
+        save_grid_state(context.state, state)
+    else:
+        save_state(context.state, state, key=key, snapshot_dir=snapshot_dir)
     return reply
