@@ -2,7 +2,7 @@
 round it has saved, authenticated with the checkpoint key.
 
 With a key (``checkpoint-key-file``) the ServerApp rewrites the mark after every checkpoint
-it saves, and the loader (:func:`fedddl.checkpoint.load_latest_checkpoint`) refuses to
+it saves, and the loader (:func:`fedddl.checkpoint_dir.load_latest_checkpoint`) refuses to
 resume from a round older than the mark's, or from a checkpoint of another run: an older
 authentic file renamed to a newer name, or the newest files deleted, is then a refused
 rollback rather than a silent one. The run identity is a random id drawn when a run first

@@ -199,7 +199,7 @@ def _resume(
     """Restore ``replica`` from the newest checkpoint in ``cfg.checkpoint_dir``, if any;
     return what was resumed (None: nothing) and the run's identity (the checkpoint's, or a
     new one)."""
-    from fedddl.checkpoint import load_latest_checkpoint
+    from fedddl.checkpoint_dir import load_latest_checkpoint
     from fedddl.checkpoint_mark import new_run_id
 
     if cfg.checkpoint_every > 0 and replica is None:
@@ -236,7 +236,8 @@ def _checkpoint_saver(
 ) -> Callable[[int], None]:
     """Return the ``on_round`` hook saving a checkpoint every ``cfg.checkpoint_every`` rounds
     (with ``key``: the high-water mark is written now, at round ``start``, and after each)."""
-    from fedddl.checkpoint import checkpoint_path, prune_checkpoints, save_checkpoint
+    from fedddl.checkpoint import save_checkpoint
+    from fedddl.checkpoint_dir import checkpoint_path, prune_checkpoints
     from fedddl.checkpoint_mark import HighWaterMark, write_mark
 
     config = cfg.to_run_config()

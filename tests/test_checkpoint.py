@@ -15,12 +15,14 @@ from fedddl.checkpoint import (
     KEYED_FORMAT_VERSION,
     CheckpointError,
     ServerCheckpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from fedddl.checkpoint_dir import (
     checkpoint_path,
     latest_checkpoint,
-    load_checkpoint,
     load_latest_checkpoint,
     prune_checkpoints,
-    save_checkpoint,
 )
 
 

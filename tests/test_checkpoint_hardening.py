@@ -14,14 +14,8 @@ import torch
 
 from clients.client_app import make_client_app
 from fedddl.app_config import AppConfig
-from fedddl.checkpoint import (
-    CheckpointError,
-    checkpoint_path,
-    load_checkpoint,
-    load_latest_checkpoint,
-    read_key_file,
-    save_checkpoint,
-)
+from fedddl.checkpoint import CheckpointError, load_checkpoint, read_key_file, save_checkpoint
+from fedddl.checkpoint_dir import checkpoint_path, load_latest_checkpoint
 from fedddl.flower.inline_grid import InlineGrid
 from strategies.server_app import RESUME_CHECK_KEYS, RESUME_IGNORED_KEYS, run_server
 from tests.test_sync_server import Cluster

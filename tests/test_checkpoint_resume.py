@@ -17,7 +17,8 @@ from flwr.app import Message
 from clients.client_app import make_client_app
 from clients.state import load_state
 from fedddl.app_config import AppConfig
-from fedddl.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
+from fedddl.checkpoint import CheckpointError, load_checkpoint
+from fedddl.checkpoint_dir import checkpoint_path
 from fedddl.flower.inline_grid import InlineGrid
 from strategies.server_app import run_server
 

@@ -12,13 +12,8 @@ import pytest
 
 from clients.client_app import make_client_app
 from fedddl.app_config import AppConfig
-from fedddl.checkpoint import (
-    CheckpointError,
-    checkpoint_path,
-    load_checkpoint,
-    load_latest_checkpoint,
-    save_checkpoint,
-)
+from fedddl.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from fedddl.checkpoint_dir import checkpoint_path, load_latest_checkpoint
 from fedddl.checkpoint_mark import MARK_NAME, HighWaterMark, read_mark, write_mark
 from fedddl.flower.inline_grid import InlineGrid
 from strategies.server_app import run_server
