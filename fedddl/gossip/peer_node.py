@@ -21,36 +21,27 @@ import math
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import grpc
 import numpy as np
 import torch
 
-from fedddl.gossip.admission import Admission, AdmissionLimits, RejectedFrame, RejectionLog
-from fedddl.gossip.attack import GOSSIP_ATTACKS, poison_state
-from fedddl.gossip.clip import DEFAULT_CLIP, MergeClip, clip_level, difference
-from fedddl.gossip.compressed import (
-    LINK_NO_BASE,
-    LINK_OUT_OF_SYNC,
-    CompressedGossip,
-    LinkError,
-    add_correction,
-    float_tensors,
-)
+from fedddl.gossip.admission import Admission, RejectedFrame, RejectionLog
+from fedddl.gossip.attack import poison_state
+from fedddl.gossip.clip import MergeClip, clip_level, difference
+from fedddl.gossip.compressed import CompressedGossip, LinkError, add_correction, float_tensors
 from fedddl.gossip.estimator import CommTimeEstimator
+from fedddl.gossip.frame_checks import check_frame
+from fedddl.gossip.held_frames import NOT_READY, HeldFrames
 from fedddl.gossip.merge import merge_models, version_weight
+from fedddl.gossip.node_config import NodeConfig, TrainingData
+from fedddl.gossip.node_metrics import NodeCounters, counter_metrics
+from fedddl.gossip.peer_backoff import FINISHED, PeerBackoff, failure_kind
 from fedddl.gossip.scheduler import PeerState, get_scheduler
 from fedddl.gossip.tls import PeerTls, require_loopback
 from fedddl.gossip.transport import LinkShaper, PeerClient, PeerServer, TransportError
-from fedddl.gossip.wire import (
-    DEFAULT_MAX_FRAME_BYTES,
-    Frame,
-    FrameKind,
-    decode_frame,
-    encode_frame,
-)
+from fedddl.gossip.wire import Frame, FrameKind, decode_frame, encode_frame
 from fedddl.seeding import derive_seed
 from fedddl.training import (
     compute_gradients,
@@ -62,102 +53,7 @@ from fedddl.training import (
 __all__ = ["NOT_READY", "NodeConfig", "PeerNode", "TrainingData"]
 
 _log = logging.getLogger(__name__)
-_MAX_BACKOFF_S = 5.0
-_FINISHED = "node has finished training"
-#: Reason text of a frame that cannot be held before training starts; senders retry it.
-NOT_READY = "node is not ready yet"
-_NOT_READY_RETRY_S = 0.1
 _STATE_REFRESH_S = 1.0  # re-broadcast the state at least this often (versions, speed)
-
-
-@dataclass(frozen=True)
-class NodeConfig:
-    """Settings of one gossip node (see ``python -m fedddl.gossip.peer --help``)."""
-
-    node_id: int
-    steps: int = 300
-    batch_size: int = 32
-    learning_rate: float = 0.1
-    scheduler: str = "scheduled"
-    merge: str = "average"  # "average" (weight 0.5) or "version" (age-weighted)
-    eval_every: int = 25
-    min_step_s: float = 0.0  # pace steps to emulate slower compute
-    send_timeout_s: float = 2.0
-    overlap: bool = True  # compute while sending; False: wait for each send after a step
-    state_interval_s: float = 0.2
-    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
-    seed: int = 0
-    compressor: str = ""  # "" = whole fp32 models; else compressed differences (DELTA)
-    consensus_step: float = 0.25  # edge-update step of compressed gossip
-    limits: AdmissionLimits = field(default_factory=AdmissionLimits)
-    hold_limit: int = 64  # frames held before training starts
-    clip: float = DEFAULT_CLIP  # clipped gossip multiplier (fedddl.gossip.clip); 0 = off
-    attack: str = ""  # a compromised node: sends this poison (fedddl.gossip.attack)
-    attack_scale: float | None = None
-
-    def __post_init__(self) -> None:
-        checks = {
-            "node_id": self.node_id >= 0,
-            "steps": self.steps >= 0,
-            "batch_size": self.batch_size >= 1,
-            "learning_rate": self.learning_rate > 0,
-            "eval_every": self.eval_every >= 1,
-            "min_step_s": self.min_step_s >= 0,
-            "send_timeout_s": self.send_timeout_s > 0,
-            "state_interval_s": self.state_interval_s > 0,
-            "max_frame_bytes": self.max_frame_bytes > 0,
-            "consensus_step": 0 < self.consensus_step <= 1,
-            "hold_limit": self.hold_limit >= 0,
-            "clip": self.clip >= 0 and math.isfinite(self.clip),
-            "attack": not self.attack or self.attack in GOSSIP_ATTACKS,
-        }
-        for name, ok in checks.items():
-            if not ok:
-                raise ValueError(f"NodeConfig.{name} is out of range: {getattr(self, name)!r}")
-        if self.merge not in ("average", "version"):
-            raise ValueError(f"NodeConfig.merge must be 'average' or 'version', got {self.merge!r}")
-        if self.compressor and self.merge != "average":
-            raise ValueError(
-                "NodeConfig.merge applies to uncompressed gossip only; compressed gossip "
-                "merges by edge updates (consensus_step)"
-            )
-        get_scheduler(self.scheduler)  # fails early on an unknown name
-        if self.compressor:
-            from fedddl.compression import available_compressors
-
-            if self.compressor not in available_compressors():
-                raise ValueError(
-                    f"NodeConfig.compressor {self.compressor!r} is not registered; "
-                    f"choose one of {available_compressors()}"
-                )
-
-
-@dataclass
-class TrainingData:
-    """The node's shard and the shared test set, as tensors."""
-
-    x_train: torch.Tensor
-    y_train: torch.Tensor
-    x_test: torch.Tensor
-    y_test: torch.Tensor
-
-
-@dataclass
-class _Counters:
-    received_from: dict[int, int] = field(default_factory=dict)
-    sent_to: dict[int, int] = field(default_factory=dict)
-    merged: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    model_bytes_sent: int = 0
-    send_failures: int = 0
-    rate_limited: int = 0  # our model frames a peer refused as over its rate
-    key_frames_sent: int = 0
-    links_reset: int = 0
-    held: int = 0  # frames held before training started
-    held_dropped: int = 0  # of those, refused when training started
-    transfer_s_sum: dict[int, float] = field(default_factory=dict)
-    transfers: dict[int, int] = field(default_factory=dict)
 
 
 class PeerNode:
@@ -236,15 +132,13 @@ class PeerNode:
         self._correction: dict[str, torch.Tensor] | None = None  # summed edge updates
         self._correction_version = 0
         self._corrections = 0
-        self._held: list[tuple[Frame, int]] = []
+        self._held = HeldFrames(config.hold_limit)
         self._receiving = 0  # frames being handled right now: our "downlink" is busy
         self._peer_states: dict[int, PeerState] = {}
         self._clients: dict[int, PeerClient] = {}
-        self._backoff_until: dict[int, float] = {}
+        self._backoff = PeerBackoff(config.limits.max_model_rate)
         self._last_model_send: dict[int, float] = {}
-        self._failures: dict[int, int] = {}
-        self._finished_peers: set[int] = set()
-        self._counters = _Counters()
+        self._counters = NodeCounters()
         self._accuracy: list[dict[str, float]] = []
         self._rng = np.random.default_rng([config.seed, config.node_id])
         self._frame_bytes = self._initial_frame_bytes(state)
@@ -312,7 +206,7 @@ class PeerNode:
                 raise RuntimeError("training already started")
             self._started_at = time.time()
             self._training.set()
-            held, self._held = self._held, []
+            held = self._held.take()
         for frame, num_bytes in held:
             try:
                 self._admit(frame, num_bytes)
@@ -379,86 +273,15 @@ class PeerNode:
     def _check(self, data: bytes, caller: int | None) -> Frame:
         """Checks that need no peer list: format, identity, model shape."""
         frame = decode_frame(data, self.config.max_frame_bytes)
-        sender = frame.sender
-        if self.tls is not None:
-            if caller is None:
-                raise RejectedFrame(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    "the caller's certificate names no gossip node",
-                    "no-identity",
-                )
-            if caller != sender:
-                raise RejectedFrame(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"frame claims to be from node {sender}, but the caller's certificate "
-                    f"is node {caller}'s",
-                    "identity-mismatch",
-                    caller,
-                )
-        if sender == self.node_id:
-            raise RejectedFrame(
-                grpc.StatusCode.PERMISSION_DENIED, "frame claims to be from me", "claims-me"
-            )
-        if frame.kind is FrameKind.MODEL:
-            if self._gossip is not None:
-                raise RejectedFrame(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    "this node runs compressed gossip: send DELTA frames",
-                    "wrong-mode",
-                    sender,
-                )
-            self._check_spec(sender, frame.tensors)
-        if frame.kind is FrameKind.DELTA and self._gossip is None:
-            raise RejectedFrame(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "this node runs uncompressed gossip: send MODEL frames",
-                "wrong-mode",
-                sender,
-            )
+        check_frame(frame, self.node_id, caller, self.secure, self._gossip is not None, self._spec)
         return frame
-
-    def _check_spec(self, sender: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        if set(tensors) != set(self._spec):
-            diff = sorted(set(tensors) ^ set(self._spec))
-            raise RejectedFrame(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"tensor names differ from my model: {diff}",
-                "model-mismatch",
-                sender,
-            )
-        for name, tensor in tensors.items():
-            shape, dtype = self._spec[name]
-            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-                raise RejectedFrame(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"tensor {name!r} is {tuple(tensor.shape)} {tensor.dtype}, mine is"
-                    f" {shape} {dtype}",
-                    "model-mismatch",
-                    sender,
-                )
 
     def _hold(self, frame: Frame, num_bytes: int) -> bool:
         """Hold a frame that arrives before training starts; False once it has started."""
         with self._state_lock:
             if self._training.is_set():
                 return False
-            carries = frame.kind.carries_model
-            same = [
-                i for i, (held, _) in enumerate(self._held)
-                if held.sender == frame.sender and held.kind.carries_model == carries
-            ]
-            full = not same and len(self._held) >= self.config.hold_limit
-            if (carries and same) or full:
-                raise RejectedFrame(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"{NOT_READY}: training has not started (retry)",
-                    "not-ready",
-                    frame.sender,
-                )
-            if same:  # a newer state replaces the held one
-                self._held[same[0]] = (frame, num_bytes)
-            else:
-                self._held.append((frame, num_bytes))
+            self._held.hold(frame, num_bytes)
             self._counters.held += 1
         return True
 
@@ -477,7 +300,7 @@ class PeerNode:
         version = frame.state.model_version
         if frame.kind.carries_model:
             if self._done.is_set():
-                raise RejectedFrame(grpc.StatusCode.UNAVAILABLE, _FINISHED, "finished", sender)
+                raise RejectedFrame(grpc.StatusCode.UNAVAILABLE, FINISHED, "finished", sender)
             self.admission.take_model_slot(sender)
         self.admission.check_version(sender, version, self._version)
         correction: dict[str, torch.Tensor] | None = None
@@ -716,9 +539,7 @@ class PeerNode:
         now = time.monotonic()
         with self._state_lock:
             states = {
-                p: s
-                for p, s in self._peer_states.items()
-                if self._backoff_until.get(p, 0.0) <= now and p not in self._finished_peers
+                p: s for p, s in self._peer_states.items() if self._backoff.choosable(p, now)
             }
         if not states:
             return None
@@ -749,11 +570,8 @@ class PeerNode:
             self._counters.bytes_sent += len(frame)
             if is_model:  # the estimator models model messages; STATE pings would skew it
                 self.estimator.observe(peer, len(frame), result.seconds)
-                sums = self._counters.transfer_s_sum
-                sums[peer] = sums.get(peer, 0.0) + result.seconds
-                self._counters.transfers[peer] = self._counters.transfers.get(peer, 0) + 1
-            self._failures[peer] = 0
-            self._backoff_until.pop(peer, None)
+                self._counters.count_transfer(peer, result.seconds)
+            self._backoff.succeeded(peer)
         try:  # a reply's clock feeds the scheduler only: a wild one is ignored
             self.admission.check_version(peer, reply.state.model_version, self._version)
         except RejectedFrame as exc:
@@ -764,42 +582,26 @@ class PeerNode:
         return True
 
     def _on_send_failure(self, peer: int, exc: Exception) -> None:
-        code = exc.code if isinstance(exc, TransportError) else None
-        text = str(exc)
+        kind = failure_kind(exc)
         with self._state_lock:
-            if code is grpc.StatusCode.UNAVAILABLE and _FINISHED in text:
-                self._finished_peers.add(peer)  # it is done: stop choosing it
-                return
-            if code is grpc.StatusCode.UNAVAILABLE and NOT_READY in text:
-                self._backoff_until[peer] = time.monotonic() + _NOT_READY_RETRY_S
-                return  # it has no peer list yet: retry soon, it is no failure
-            if code is grpc.StatusCode.RESOURCE_EXHAUSTED and "rate limit" in text:
+            backoff = self._backoff.failed(peer, kind, time.monotonic())
+            if kind == "rate-limited":
                 self._counters.rate_limited += 1
-                gap = 1.0 / self.config.limits.max_model_rate
-                self._backoff_until[peer] = time.monotonic() + gap
-                return
-            out_of_sync = code is grpc.StatusCode.FAILED_PRECONDITION and (
-                LINK_OUT_OF_SYNC in text or LINK_NO_BASE in text
-            )
-            if out_of_sync:
+            elif kind == "out-of-sync":
                 self._counters.links_reset += 1
-        if out_of_sync:
-            if self._gossip is not None:
-                with self._links_lock:
-                    self._gossip.reset(peer)  # a key frame next time
-            return
-        with self._state_lock:
-            self._counters.send_failures += 1
-            failures = self._failures.get(peer, 0) + 1
-            self._failures[peer] = failures
-            backoff = min(0.25 * 2 ** (failures - 1), _MAX_BACKOFF_S)
-            self._backoff_until[peer] = time.monotonic() + backoff
-            state = self._peer_states.get(peer)
-            if state is not None:
-                self._peer_states[peer] = PeerState(
-                    peer, False, state.model_version, state.est_comm_time_s, state.steps_per_s
-                )
-        _log.info("node %d: %s; backing off %.2f s", self.node_id, exc, backoff)
+            elif kind == "failed":
+                self._counters.send_failures += 1
+                state = self._peer_states.get(peer)
+                if state is not None:
+                    self._peer_states[peer] = PeerState(
+                        peer, False, state.model_version, state.est_comm_time_s,
+                        state.steps_per_s,
+                    )
+        if kind == "out-of-sync" and self._gossip is not None:
+            with self._links_lock:
+                self._gossip.reset(peer)  # a key frame next time
+        if kind == "failed":
+            _log.info("node %d: %s; backing off %.2f s", self.node_id, exc, backoff)
 
     def _state_loop(self) -> None:
         last_enabled: bool | None = None
@@ -813,7 +615,7 @@ class PeerNode:
             frame = encode_frame(FrameKind.STATE, self.node_id, state)
             now = time.monotonic()
             with self._state_lock:
-                targets = [p for p in self._clients if self._backoff_until.get(p, 0.0) <= now]
+                targets = [p for p in self._clients if self._backoff.ready(p, now)]
             for peer in targets:
                 if self._stop.is_set():
                     return
@@ -832,7 +634,7 @@ class PeerNode:
     def metrics(self) -> dict[str, Any]:
         """JSON-able snapshot of the node's counters and accuracy history."""
         with self._state_lock:
-            counters = asdict(self._counters)
+            counters = counter_metrics(self._counters)
             pending = len(self._pending) + self._corrections
         accuracy = list(self._accuracy)
         return {
@@ -847,30 +649,13 @@ class PeerNode:
             "overlap": self.config.overlap,
             "ship_wait_s": self._ship_wait_s,
             "finished": self._done.is_set() and self._step >= self.config.steps,
-            "received": sum(counters["received_from"].values()),
-            "received_from": {str(k): v for k, v in counters["received_from"].items()},
-            "sent": sum(counters["sent_to"].values()),
-            "sent_to": {str(k): v for k, v in counters["sent_to"].items()},
-            "merged": counters["merged"],
+            **counters,
             "pending": pending,
-            "bytes_sent": counters["bytes_sent"],
-            "bytes_received": counters["bytes_received"],
-            "model_bytes_sent": counters["model_bytes_sent"],
-            "send_failures": counters["send_failures"],
-            "rate_limited": counters["rate_limited"],
-            "key_frames_sent": counters["key_frames_sent"],
-            "links_reset": counters["links_reset"],
-            "held": counters["held"],
-            "held_dropped": counters["held_dropped"],
             "rejected": self.rejection_log.by_status(),
             "rejections": self.rejection_log.by_peer(),
             "clipped": self.clip_log.by_peer(),
             "clip_bound": self._clip_bound(),
             "attack": self.config.attack or None,
-            "mean_transfer_s": {
-                str(k): total / counters["transfers"][k]
-                for k, total in counters["transfer_s_sum"].items()
-            },
             "estimates": {str(k): list(v) for k, v in self.estimator.snapshot().items()},
             "accuracy": accuracy,
             "initial_accuracy": accuracy[0]["accuracy"] if accuracy else None,
