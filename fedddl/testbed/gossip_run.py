@@ -26,7 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from fedddl.deploy.certs import write_tls_material
-from fedddl.deploy.processes import DeploymentError, ManagedProcess, ProcessRegistry, start_process
+from fedddl.deploy.managed_process import (
+    DeploymentError,
+    ManagedProcess,
+    ProcessRegistry,
+    start_process,
+)
 from fedddl.gossip.peer_files import METRICS_FILE, NODE_FILE, read_json, write_peers
 from fedddl.network import NetworkModel
 from fedddl.testbed.netns import LinkRates, Testbed
