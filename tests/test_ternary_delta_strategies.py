@@ -65,9 +65,9 @@ def _loss(net: nn.Module) -> float:
         return float(nn.functional.cross_entropy(net(x), y))
 
 
-def _client_app(train_mods: Iterable[Any] = ()) -> ClientApp:
+def _client_app(train_mods: Iterable[Any] = (), mods: Iterable[Any] = (ternary_mod,)) -> ClientApp:
     """Flower's quickstart shape: ``arrays`` + ``metrics`` (``train_loss`` for QFedAvg)."""
-    app = ClientApp(mods=[ternary_mod])
+    app = ClientApp(mods=list(mods))
 
     @app.train(mods=list(train_mods))
     def train(msg: Message, context: Context) -> Message:
@@ -182,7 +182,7 @@ class _Wire:
 
 
 def _run(
-    strategy: TernaryDelta, grid: InlineGrid, initial: ArrayRecord, rounds: int = ROUNDS
+    strategy: Strategy, grid: InlineGrid, initial: ArrayRecord, rounds: int = ROUNDS
 ) -> tuple[Result, list[float]]:
     losses: list[float] = []
 
@@ -237,6 +237,22 @@ def test_every_stock_strategy_compresses_both_ways(name: str) -> None:
     up, down = _ratios(result)
     assert up > 8 and down > 8, (up, down)
     print(f"{name}: up {up:.1f}x, down {down:.1f}x after round 1")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_the_loss_stays_near_the_uncompressed_runs(name: str) -> None:
+    """The central loss after 3 rounds, compressed against uncompressed (same clients, same
+    data): within 15 % (the adaptive server optimizers are the furthest)."""
+    make, train_mods = STRATEGIES[name]
+    losses = []
+    for mods in ((), (ternary_mod,)):
+        grid = InlineGrid(_client_app(train_mods, mods=mods), NODES)
+        strategy = TernaryDelta(make()) if mods else make()
+        losses.append(_run(strategy, grid, ArrayRecord(_net().state_dict()))[1])
+    (start, *_, plain), (_, *_, compressed) = losses
+    print(f"| {name} | {start:.3f} | {plain:.3f} | {compressed:.3f} |")
+    assert compressed < 1.15 * plain, (plain, compressed)
 
 
 class _Cast(FedAvg):

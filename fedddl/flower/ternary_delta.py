@@ -230,11 +230,14 @@ class TernaryDelta(Strategy):
         incoming = self._incoming(server_round, replies)
         return self._report(self.strategy.aggregate_evaluate(server_round, incoming))
 
-    def _report(self, metrics: MetricRecord | None) -> MetricRecord:
-        """``metrics`` with the exchange's traffic; the notices logged; a new exchange."""
+    def _report(self, metrics: MetricRecord | None) -> MetricRecord | None:
+        """``metrics`` with the exchange's traffic (None: no metrics and no model sent);
+        the notices logged; a new exchange."""
         self.notices.flush()
         exchange, self._exchange = self._exchange, Traffic()
         self.traffic.add(exchange)
+        if metrics is None and exchange == Traffic():
+            return None
         return with_traffic(metrics, exchange)
 
     # ------------------------------------------------------------------ downlink
