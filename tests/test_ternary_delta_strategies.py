@@ -156,6 +156,7 @@ class _Wire:
         self.updates: dict[tuple[int, str], int] = {}
         self.messages: dict[tuple[int, str], int] = {}
         self.deltas: dict[tuple[int, str], int] = {}
+        self.named_dtypes: set[bool] = set()  # whether compressed replies named dtypes
         self.errors = 0
         grid.before = self._before
         grid.tamper = self._after
@@ -178,6 +179,7 @@ class _Wire:
         elif DELTA in reply.content:
             key = self._key(message)
             self.deltas[key] = self.deltas.get(key, 0) + 1
+            self.named_dtypes.add("dtypes" in reply.content[META])  # type: ignore[operator]
         return reply
 
 
@@ -293,6 +295,7 @@ def test_a_strategy_of_another_dtype_compresses_both_ways_from_round_1(dtype: st
     result, losses = _run(strategy, grid, _as(ArrayRecord(_net().state_dict()), dtype))
     assert {a.dtype for a in result.arrays.values()} == {dtype} and _finite(result.arrays)
     assert seen == [{"float32"}] * ROUNDS  # restored in the dtype the app sent
+    assert wire.named_dtypes == {True}  # ... which the replies name
     assert losses[-1] < 0.9 * losses[0], losses
     for rnd in range(2, ROUNDS + 1):
         metrics = result.train_metrics_clientapp[rnd]
@@ -323,6 +326,7 @@ def test_fedadam_turning_float32_into_float64_keeps_compressing_both_ways() -> N
     strategy = TernaryDelta(Spy(**_sampling(), eta=0.05))
     result, _ = _run(strategy, grid, ArrayRecord(_net().state_dict()), rounds=4)
     assert result.arrays["0.weight"].dtype == "float64" and seen == [{"float32"}] * 4
+    assert wire.named_dtypes == {False}  # the replies' dtypes are the broadcast model's
     broadcast = strategy.broadcast_model()
     assert broadcast is not None and broadcast["0.weight"].dtype == "float32"
     assert all(wire.deltas[(r, "train")] == NODES for r in range(1, 5))

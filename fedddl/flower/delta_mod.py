@@ -206,7 +206,9 @@ def _compress_reply(
             found = ArrayRecord({n: record[n] for n in model.others})  # type: ignore[arg-type]
         out[name] = found
     out[DELTA] = ArrayRecord({DELTA_KEY: bytes_to_array(payload)})  # type: ignore[arg-type]
-    out[META] = ReplyMeta(broadcast.version, key, model.names, dtypes).to_record()
+    held = [t.dtype for t in model.floats.values()]
+    named = None if [FLOAT_DTYPES[d] for d in dtypes] == held else dtypes  # None: as held
+    out[META] = ReplyMeta(broadcast.version, key, model.names, named).to_record()
     return out
 
 

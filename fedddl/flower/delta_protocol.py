@@ -245,7 +245,7 @@ class ReplyMeta:
     """The :data:`META` record of a reply: the version held, and what was compressed.
 
     ``dtypes``: the dtype the client sent each compressed (float) array in, in ``names``
-    order; None (a client that does not say): the broadcast model's dtypes.
+    order; None (left out when they are the broadcast model's): the broadcast model's.
     """
 
     version: int

@@ -397,12 +397,13 @@ class TernaryDelta(Strategy):
         model plus its delta, in the dtypes the client sent."""
         broadcast = self.broadcast
         wire = {n: t.to(UPLINK_DTYPE) for n, t in broadcast.floats.items()}
+        held = [str(t.numpy().dtype) for t in broadcast.floats.values()]
         admitted = self.admission.admit(
             compressed, wire, self.version, self.compressor, self.clip_sigma, report
         )
         for node, delta in admitted:
             index, record, dtypes = position[node]
-            weights = _restored(broadcast.exact, delta, dtypes)
+            weights = _restored(broadcast.exact, delta, dtypes or held)
             bad = next((n for n, w in weights.items() if not bool(torch.isfinite(w).all())), None)
             if bad is not None:
                 self.admission.refuse(report, node, PayloadRejected(
@@ -451,13 +452,13 @@ _PLAIN_REPLY = "sent its reply's arrays uncompressed (its ternary_mod logs why)"
 
 
 def _restored(
-    exact: dict[str, torch.Tensor], delta: dict[str, torch.Tensor], dtypes: list[str] | None
+    exact: dict[str, torch.Tensor], delta: dict[str, torch.Tensor], dtypes: list[str]
 ) -> dict[str, torch.Tensor]:
     """The global model plus a reply's delta, added in the wider dtype, in the reply's
-    ``dtypes`` (None: the global model's)."""
+    ``dtypes``."""
     out = {}
     for i, (name, tensor) in enumerate(exact.items()):
-        dtype = tensor.dtype if dtypes is None else FLOAT_DTYPES[dtypes[i]]
+        dtype = FLOAT_DTYPES[dtypes[i]]
         wide = torch.promote_types(tensor.dtype, UPLINK_DTYPE)
         out[name] = (tensor.to(wide) + delta[name].to(wide)).to(dtype)
     return out
