@@ -4,11 +4,14 @@ and reason, on both sides, and every exchange's traffic is in the metrics Flower
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
 
 from fedddl.flower import TernaryDelta, ternary_mod
 from fedddl.flower.delta_mod import STATE_SAID
@@ -206,3 +209,40 @@ def test_a_node_whose_reply_failed_is_told_why_it_gets_the_whole_model(
     assert (3, 1001, False) in sent  # the whole model, after its empty reply
     lines = _lines(caplog, "got the whole model: its last reply failed or did not come")
     assert _count_nodes(lines) == {1001: 1}, lines
+
+
+def test_a_message_whose_arrays_are_not_the_model_is_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class FirstLayerEval(FedAvg):
+        """FedAvg whose evaluation messages carry only the first layer's weights."""
+
+        def configure_evaluate(
+            self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+        ) -> Iterable[Message]:
+            part = ArrayRecord({"0.weight": arrays["0.weight"]})  # type: ignore[dict-item]
+            return super().configure_evaluate(server_round, part, config, grid)
+
+    inner = _client_app([])
+    app = ClientApp(mods=[ternary_mod])
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        return inner(msg, context)
+
+    @app.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        assert list(msg.content["arrays"].keys()) == ["0.weight"]  # type: ignore[union-attr]
+        metrics = MetricRecord({"acc": 0.5, "num-examples": 1})
+        return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)
+
+    grid = InlineGrid(app, NODES)
+    strategy = TernaryDelta(FirstLayerEval(fraction_train=1.0, fraction_evaluate=1.0,
+                                           min_available_nodes=NODES))  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        result, _ = _run(grid, strategy, rounds=ROUNDS)
+    assert len(result.evaluate_metrics_clientapp) == ROUNDS and strategy.dropped == {}
+    server = _lines(caplog, "whose arrays are not the global model's layout")
+    client = _lines(caplog, "carries arrays but no 'fedddl.ternary' record")
+    everyone = {n: 1 for n in range(1000, 1000 + NODES)}
+    assert _count_nodes(server) == everyone and _count_nodes(client) == everyone

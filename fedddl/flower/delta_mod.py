@@ -95,8 +95,9 @@ def ternary_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Me
     if msg.has_error() or not msg.has_content() or META not in msg.content:
         if not msg.has_error() and msg.has_content() and msg.content.array_records:
             _say_once(ctxt, "no-wrapper", f"the server's {msg.metadata.message_type!r} "
-                      f"message has no {META!r} record (its strategy is not wrapped in "
-                      "TernaryDelta): messages and replies pass through uncompressed")  # fmt: skip
+                      f"message carries arrays but no {META!r} record (its strategy is not "
+                      "wrapped in TernaryDelta, or the arrays are not the global model): "
+                      "messages and replies pass through uncompressed")  # fmt: skip
         return call_next(msg, ctxt)
     try:
         broadcast = parse_broadcast(msg.content)

@@ -10,7 +10,6 @@ strategy's aggregated metrics (so they show in Flower's summary and ``Result``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
 from flwr.app import ArrayRecord, MetricRecord
@@ -111,10 +110,6 @@ class Notices:
         for level, text, nodes in self._pending.values():
             log(level, "TernaryDelta: %s %s", _nodes(nodes, self.SHOWN), text)
         self._pending.clear()
-
-    def said(self) -> Iterable[tuple[int, str]]:
-        """Every (node, reason) logged or pending."""
-        return sorted(self._said)
 
 
 def _nodes(nodes: list[int], shown: int) -> str:

@@ -258,6 +258,8 @@ class TernaryDelta(Strategy):
             key = _model_key(message, arrays)
             node = message.metadata.dst_node_id
             if key is None:
+                if message.has_content() and message.content.array_records:
+                    self.notices.note(node, "not-model", _NOT_MODEL)
                 out.append(message)
                 continue
             layout = layout_of(arrays) if layout is None else layout
@@ -448,6 +450,10 @@ class TernaryDelta(Strategy):
 
 
 _NO_MOD = "runs no ternary_mod: its messages and replies travel plain"
+_NOT_MODEL = (
+    "got a message whose arrays are not the global model's layout: sent as the strategy "
+    "built it"
+)
 _PLAIN_REPLY = "sent its reply's arrays uncompressed (its ternary_mod logs why)"
 
 
