@@ -265,8 +265,13 @@ def _misfit_of(record: ArrayRecord, model: SplitModel) -> str | None:
     """Why ``record`` cannot travel as a delta of ``model`` (None: it can). Its names and
     shapes must be the model's; a float array of the model may come back in any float dtype
     of :data:`FLOAT_DTYPES` or as integers; the other arrays keep their dtype."""
-    if list(record.keys()) != model.names:
-        return f"its arrays {list(record.keys())[:4]}... are not the model's {model.names[:4]}..."
+    names = list(record.keys())
+    if names != model.names:
+        pairs = enumerate(zip(names, model.names, strict=False))
+        at = next((i for i, (a, b) in pairs if a != b), None)
+        if at is None:
+            return f"it has {len(names)} arrays, the model {len(model.names)}"
+        return f"its array {at} is {names[at]!r}, the model's is {model.names[at]!r}"
     for name, tensor in model.floats.items():
         array = record[name]
         if tuple(array.shape) != tuple(tensor.shape):

@@ -37,10 +37,10 @@ messages unchanged after their first reply; messages that carry no model (e.g. q
 pass through unchanged.
 
 **Dtypes.** Float16, float32 and float64 arrays are compressed whatever dtype the wrapped
-strategy returns (FedAdam's float64, a float16 model): the downlink deltas are of the
-global model's dtype; each uplink delta is sent in float32 and restored in the dtype the
-client's app sent. Other arrays (integer buffers, bfloat16 and other dtypes numpy does not
-know) travel exact.
+strategy returns (FedAdam's float64, a float16 model): the broadcast model keeps the dtypes
+of the first global model and the downlink deltas are cast to them; each uplink delta is
+sent in float32 and restored in the dtype the client's app sent. Other arrays (integer
+buffers, bfloat16 and other dtypes numpy does not know) travel exact.
 
 **No silent fallbacks.** Whenever the model travels plain (a new node, a node without the
 mod, a reply the mod could not compress, ...) the wrapper logs why, once per node and
