@@ -9,13 +9,14 @@ import math
 import struct
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp.strategy import FedAvg
 
 from fedddl.compression import OpenedMessage
 from fedddl.flower import TernaryDelta, ternary_mod
@@ -171,16 +172,44 @@ def test_a_huge_scale_is_clipped_to_the_bound_with_action_clip(
     assert step < 10.0, step
 
 
-def test_without_the_bound_a_non_finite_aggregate_is_not_adopted(
+def test_without_the_bound_a_huge_model_is_adopted_but_nothing_non_finite(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.WARNING):
         strategy, result, seen, _ = _attack(_payload(_with_scale(3e38)), {2}, scale_bound=0)
     # the round-2 aggregate is finite but huge (3e38 / 4); the clients' next models are
-    # not: the first non-finite aggregate is refused, every adopted model is finite
+    # not: their mods cannot encode them and send them plain, and the plain replies'
+    # admission drops them for their non-finite values; every adopted model is finite
     assert result.arrays is not None and all(_finite(a) for a in seen)
-    assert strategy.skipped and strategy.skipped[0] >= 2
-    assert any(f"skipped round {strategy.skipped[0]}" in r.getMessage() for r in caplog.records)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("its delta cannot be encoded" in m for m in messages), messages
+    dropped = [m for m in messages if "TernaryDelta dropped the reply" in m]
+    assert dropped and all("holds non-finite values" in m for m in dropped), dropped
+    assert strategy.dropped == {"PayloadRejected": len(dropped)}
+
+
+def test_a_non_finite_aggregate_is_not_adopted(caplog: pytest.LogCaptureFixture) -> None:
+    class Overflow(FedAvg):
+        """FedAvg whose round-2 aggregate is not finite."""
+
+        def aggregate_train(
+            self, server_round: int, replies: Iterable[Message]
+        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+            arrays, metrics = super().aggregate_train(server_round, replies)
+            if server_round == 2 and arrays is not None:
+                weight = arrays["0.weight"].numpy().copy()
+                weight[0, 0] = math.inf
+                arrays["0.weight"] = Array(weight)
+            return arrays, metrics
+
+    grid = InlineGrid(_client_app([ternary_mod]), NODES)
+    strategy = TernaryDelta(Overflow(fraction_train=1.0, fraction_evaluate=0.5,
+                                     min_available_nodes=NODES))  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        result, seen = _run(grid, strategy, rounds=3)
+    assert strategy.skipped == [2] and all(_finite(a) for a in seen)
+    assert any("skipped round 2" in r.getMessage() for r in caplog.records)
+    assert len(result.train_metrics_clientapp) == 3 and strategy.dropped == {}
 
 
 def test_a_nan_plain_reply_is_dropped(caplog: pytest.LogCaptureFixture) -> None:

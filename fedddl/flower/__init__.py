@@ -16,7 +16,8 @@ Ternary compression for *any* Flower app (its own ServerApp and ClientApp):
 * ``fedddl.flower.ternary_mod`` (:mod:`fedddl.flower.delta_mod`): the client mod;
 * ``fedddl.flower.TernaryDelta`` (:mod:`fedddl.flower.ternary_delta`): the strategy
   wrapper (downlink :mod:`~fedddl.flower.delta_broadcast`, reply admission
-  :mod:`~fedddl.flower.delta_admission`); their messages: :mod:`fedddl.flower.delta_protocol`.
+  :mod:`~fedddl.flower.delta_admission`, traffic metrics and plain notices
+  :mod:`~fedddl.flower.delta_traffic`); their messages: :mod:`fedddl.flower.delta_protocol`.
 
 Heavy imports stay in the submodules (the two names above are imported on first use).
 """

@@ -69,6 +69,8 @@ def parse_delta_reply(node: int, content: RecordDict, others: Layout) -> DeltaRe
             raise ValueError(f"it has no ArrayRecord {meta.record!r}")
         if layout_of(model_record) != others:
             raise ValueError(f"record {meta.record!r} must hold exactly the non-float arrays")
+        if meta.dtypes is not None and len(meta.dtypes) != len(meta.names or []) - len(others):
+            raise ValueError("its 'dtypes' do not name one dtype per compressed array")
         holder = content.get(DELTA)
         if not isinstance(holder, ArrayRecord) or list(holder.keys()) != [DELTA_KEY]:
             raise ValueError(f"it has no {DELTA!r} ArrayRecord with a {DELTA_KEY!r} Array")

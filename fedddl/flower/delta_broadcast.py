@@ -6,6 +6,11 @@ could not carry goes with the next). The encoded deltas are kept in an
 :class:`~fedddl.replica.UpdateLog` and a node's message is planned by
 :func:`~fedddl.replica.plan_catch_up`, as TernGrad plans its catch-ups: the deltas a node
 misses, or the whole model when the log does not reach back far enough.
+
+The broadcast model keeps the dtypes of the first global model it was sent: when the
+wrapped strategy returns its model in another float dtype (FedAdam and QFedAvg turn float32
+into float64), the deltas are cast to the broadcast model's dtypes and the nodes keep
+receiving deltas; only another layout (names, shapes, integer arrays) starts anew.
 """
 
 from __future__ import annotations
@@ -83,11 +88,14 @@ class DeltaBroadcast:
             return  # e.g. the evaluation and the next training of one global model
         self._target = fingerprint
         layout = layout_of(arrays)
-        fresh = not self.names or layout != self.layout or not self.downlink
+        fresh = not self.downlink or not self._follows(target, layout)
         self.layout, self.others, self.exact = layout, target.others, target.floats
         if not fresh:
             # the whole gap: what earlier deltas could not carry is part of it
-            delta = {n: target.floats[n] - self.floats[n] for n in self.floats}
+            delta = {  # in the broadcast model's dtypes, whatever the strategy's
+                n: (target.floats[n] - self.floats[n]).to(self.floats[n].dtype)
+                for n in self.floats
+            }
             compressor = make_compressor(
                 self.compressor,
                 seed=derive_seed(self.seed, 0x5E4D, self.version + 1),
@@ -108,6 +116,19 @@ class DeltaBroadcast:
             self._log.clear()
         self.version += 1
         self._digest = digest(self.floats)
+
+    def _follows(self, target: SplitModel, layout: Layout) -> bool:
+        """Whether ``target`` can follow the broadcast model by a delta: the same names and
+        shapes, the same float arrays, the same other arrays (float dtypes may differ)."""
+        if not self.names or target.names != self.names:
+            return False
+        if list(target.floats) != list(self.floats):
+            return False
+        return all(
+            layout[n][1] == self.layout[n][1]
+            and (n in target.floats or layout[n] == self.layout[n])
+            for n in self.names
+        )
 
     def content_for(self, held: int, content: RecordDict, key: str) -> RecordDict:
         """``content`` with its model record ``key`` replaced by what a node that holds
@@ -145,8 +166,10 @@ class DeltaBroadcast:
 
 
 def _fingerprint(model: SplitModel) -> str:
-    """The fingerprint of a whole model: its float tensors and its other Arrays."""
+    """The fingerprint of a whole model: its float tensors and its other Arrays (their
+    serialized bytes, whatever their dtype and serialization)."""
     tensors = dict(model.floats)
     for name, array in model.others.items():
-        tensors[name] = torch.from_numpy(np.array(array.numpy(), copy=True))
+        key = f"{name}|{array.dtype}|{list(array.shape)}|{array.stype}"
+        tensors[key] = torch.from_numpy(np.frombuffer(array.data, dtype=np.uint8).copy())
     return digest(tensors)

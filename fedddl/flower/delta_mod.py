@@ -17,11 +17,15 @@ that the wrapper compressed (:mod:`fedddl.flower.delta_protocol`), the mod
    ``context.state``), when the reply carries an ArrayRecord shaped like the model.
 
 A message without the wrapper's record, and a reply without such a model, pass through
-unchanged. When the broadcast cannot be applied (wrong base version, digest mismatch,
-malformed update) the mod forgets its broadcast model and answers with an error reply
-(``MOD_FAILED_PRECONDITION``) instead of calling the app; the server then sends this
-node the whole model. Put ``ternary_mod`` first in ``mods`` so that other mods (e.g.
-Flower's clipping mods) see whole models.
+unchanged. A reply model of another float dtype than the broadcast model (float64 from a
+float32 model, float16, ...) is compressed all the same: its delta is computed and sent in
+float32 and the server restores it in the dtype the app sent. Whenever a message or reply
+that carries arrays travels uncompressed, the mod says why on Flower's logger, once per
+node and reason (remembered in ``context.state``). When the broadcast cannot be applied
+(wrong base version, digest mismatch, malformed update) the mod forgets its broadcast
+model and answers with an error reply (``MOD_FAILED_PRECONDITION``) instead of calling
+the app; the server then sends this node the whole model. Put ``ternary_mod`` first in
+``mods`` so that other mods (e.g. Flower's clipping mods) see whole models.
 """
 
 from __future__ import annotations
@@ -33,13 +37,16 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode
+from flwr.common.logger import log
 
 from fedddl.compression import ResidualMemory, encode_update, make_compressor
 from fedddl.flower.delta_protocol import (
     DELTA,
     DELTA_KEY,
+    FLOAT_DTYPES,
     META,
     UPDATES,
+    UPLINK_DTYPE,
     Broadcast,
     ReplyMeta,
     SplitModel,
@@ -61,9 +68,9 @@ from fedddl.seeding import derive_seed
 from fedddl.sync.errors import PayloadRejected
 from fedddl.sync.screening import PayloadSpec
 
-__all__ = ["STATE_MODEL", "STATE_RESIDUAL", "ternary_mod"]
+__all__ = ["STATE_MODEL", "STATE_RESIDUAL", "STATE_SAID", "ternary_mod"]
 
-_log = logging.getLogger("fedddl")
+_WARNING = logging.WARNING
 
 #: ``context.state`` records of the mod: the broadcast model (packed) with its layout and
 #: version, and the uplink residuals.
@@ -71,6 +78,8 @@ STATE_MODEL = "fedddl.ternary.model"
 STATE_MODEL_LAYOUT = "fedddl.ternary.model-layout"
 STATE_META = "fedddl.ternary.state"
 STATE_RESIDUAL = "fedddl.ternary.residual"
+#: ``context.state`` record of the reasons this node already logged for sending plain.
+STATE_SAID = "fedddl.ternary.said"
 _BLOB = "blob"
 
 
@@ -84,6 +93,11 @@ def ternary_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Me
     See the module docstring; the server side is :class:`fedddl.flower.TernaryDelta`.
     """
     if msg.has_error() or not msg.has_content() or META not in msg.content:
+        if not msg.has_error() and msg.has_content() and msg.content.array_records:
+            _say_once(ctxt, "no-wrapper", f"the server's {msg.metadata.message_type!r} "
+                      f"message carries arrays but no {META!r} record (its strategy is not "
+                      "wrapped in TernaryDelta, or the arrays are not the global model): "
+                      "messages and replies pass through uncompressed")  # fmt: skip
         return call_next(msg, ctxt)
     try:
         broadcast = parse_broadcast(msg.content)
@@ -91,7 +105,7 @@ def ternary_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Me
     except ValueError as err:  # BroadcastError, PayloadError, malformed records
         _forget(ctxt.state)
         reason = f"ternary_mod: cannot apply the broadcast model: {err}"
-        _log.warning(reason)
+        log(_WARNING, reason)
         return Message(Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=reason), reply_to=msg)
     _save_model(ctxt.state, broadcast.version, model.floats)
 
@@ -162,14 +176,15 @@ def _compress_reply(
 ) -> RecordDict:
     """The reply with its model as an encoded delta (when it has one), plus :data:`META`."""
     key = _model_record_of(reply, broadcast.record, model)
-    out = RecordDict()
     if key is None:
-        for name, record in reply.items():
-            out[name] = record
-        out[META] = ReplyMeta(broadcast.version).to_record()
-        return out
-    weights = _reply_floats(reply[key], model)  # type: ignore[arg-type]
-    delta = {n: weights[n] - model.floats[n] for n in model.floats}
+        if reply.array_records:
+            why = _misfit(reply, broadcast.record, model)
+            _say_once(ctxt, "no-model", "reply sent uncompressed: no ArrayRecord of the "
+                      f"reply has the model's arrays ({why})")  # fmt: skip
+        return _compress_reply_plain(reply, broadcast.version)
+    record = reply[key]
+    assert isinstance(record, ArrayRecord)  # _model_record_of checked it
+    delta, dtypes = _reply_delta(record, model)
     memory = (
         ResidualMemory(saved_residuals(ctxt.state, STATE_RESIDUAL, delta))
         if broadcast.error_feedback
@@ -182,32 +197,41 @@ def _compress_reply(
         )
         payload = encode_update(delta, compressor, memory)
     except (ValueError, TypeError) as err:  # e.g. NaN weights: send the reply as it is
-        _log.warning("ternary_mod: reply sent uncompressed: %s", err)
+        _say_once(ctxt, "encode", f"reply sent uncompressed: its delta cannot be encoded: {err}")
         return _compress_reply_plain(reply, broadcast.version)
     if memory is not None:
         save_residuals(ctxt.state, STATE_RESIDUAL, memory.residuals)
-    for name, record in reply.items():
+    out = RecordDict()
+    for name, found in reply.items():
         if name == key:
-            model_record = reply[key]
-            assert isinstance(model_record, ArrayRecord)
-            record = ArrayRecord({n: model_record[n] for n in model.others})  # type: ignore[arg-type]
-        out[name] = record
+            found = ArrayRecord({n: record[n] for n in model.others})  # type: ignore[arg-type]
+        out[name] = found
     out[DELTA] = ArrayRecord({DELTA_KEY: bytes_to_array(payload)})  # type: ignore[arg-type]
-    out[META] = ReplyMeta(broadcast.version, key, model.names).to_record()
+    held = [t.dtype for t in model.floats.values()]
+    named = None if [FLOAT_DTYPES[d] for d in dtypes] == held else dtypes  # None: as held
+    out[META] = ReplyMeta(broadcast.version, key, model.names, named).to_record()
     return out
 
 
-def _reply_floats(record: ArrayRecord, model: SplitModel) -> dict[str, torch.Tensor]:
-    """The reply's values of the model's float arrays, in the model's dtypes.
+def _reply_delta(
+    record: ArrayRecord, model: SplitModel
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """``record``'s float arrays minus the broadcast model, in :data:`UPLINK_DTYPE`
+    (subtracted in the wider of the two dtypes), and the dtype of each as the app sent it.
 
-    An integer array the strategy turned into floats (FedAvg averages
-    ``num_batches_tracked`` into float64) is cast back to the model's dtype.
+    An integer array where the model has floats (FedAvg averages ``num_batches_tracked``
+    into float64) is read as the model's dtype, and restored in it.
     """
-    out = {}
-    for name, like in model.floats.items():
-        values = np.asarray(record[name].numpy(), dtype=like.numpy().dtype)
-        out[name] = torch.from_numpy(np.array(values, copy=True))
-    return out
+    delta, dtypes = {}, []
+    for name, held in model.floats.items():
+        values = np.asarray(record[name].numpy())
+        if values.dtype.kind != "f":
+            values = values.astype(held.numpy().dtype)
+        sent = torch.from_numpy(np.array(values, copy=True))
+        wide = torch.promote_types(torch.promote_types(sent.dtype, held.dtype), UPLINK_DTYPE)
+        delta[name] = (sent.to(wide) - held.to(wide)).to(UPLINK_DTYPE)
+        dtypes.append(str(values.dtype))
+    return delta, dtypes
 
 
 def _compress_reply_plain(reply: RecordDict, version: int) -> RecordDict:
@@ -223,31 +247,60 @@ def _model_record_of(reply: RecordDict, preferred: str, model: SplitModel) -> st
     candidates = [preferred, *(k for k in reply.array_records if k != preferred)]
     for key in candidates:
         record = reply.get(key)
-        if isinstance(record, ArrayRecord) and _fits(record, model):
+        if isinstance(record, ArrayRecord) and _misfit_of(record, model) is None:
             return key
     return None
 
 
-def _fits(record: ArrayRecord, model: SplitModel) -> bool:
-    """Same names and shapes as the model; a float array's reply is of its dtype, or an
-    integer one (cast back, see :func:`_reply_floats`); other arrays keep their dtype."""
-    if list(record.keys()) != model.names:
-        return False
+def _misfit(reply: RecordDict, preferred: str, model: SplitModel) -> str:
+    """Why the reply's ArrayRecord ``preferred`` (else its first one) is not the model."""
+    key = preferred if isinstance(reply.get(preferred), ArrayRecord) else None
+    key = key if key is not None else next(iter(reply.array_records))
+    record = reply[key]
+    assert isinstance(record, ArrayRecord)
+    return f"record {key!r}: {_misfit_of(record, model)}"
+
+
+def _misfit_of(record: ArrayRecord, model: SplitModel) -> str | None:
+    """Why ``record`` cannot travel as a delta of ``model`` (None: it can). Its names and
+    shapes must be the model's; a float array of the model may come back in any float dtype
+    of :data:`FLOAT_DTYPES` or as integers; the other arrays keep their dtype."""
+    names = list(record.keys())
+    if names != model.names:
+        pairs = enumerate(zip(names, model.names, strict=False))
+        at = next((i for i, (a, b) in pairs if a != b), None)
+        if at is None:
+            return f"it has {len(names)} arrays, the model {len(model.names)}"
+        return f"its array {at} is {names[at]!r}, the model's is {model.names[at]!r}"
     for name, tensor in model.floats.items():
         array = record[name]
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        try:
-            kind = np.dtype(array.dtype).kind
-        except TypeError:
-            return False
         if tuple(array.shape) != tuple(tensor.shape):
-            return False
-        if array.dtype != dtype and kind not in "iub":
-            return False
-    return all(
-        record[n].dtype == a.dtype and tuple(record[n].shape) == tuple(a.shape)
-        for n, a in model.others.items()
-    )
+            return f"array {name!r} has shape {list(array.shape)}, not {list(tensor.shape)}"
+        try:
+            kind: str = np.dtype(array.dtype).kind
+        except TypeError:
+            kind = "?"
+        if not (array.dtype in FLOAT_DTYPES or kind in "iub") or array.stype != "numpy.ndarray":
+            return f"array {name!r} is of dtype {array.dtype!r}, which is not compressed"
+    for name, other in model.others.items():
+        array = record[name]
+        if array.dtype != other.dtype or tuple(array.shape) != tuple(other.shape):
+            return (
+                f"array {name!r} is {array.dtype}{list(array.shape)}, the model's "
+                f"{other.dtype}{list(other.shape)} (it travels exact)"
+            )
+    return None
+
+
+def _say_once(ctxt: Context, reason: str, text: str) -> None:
+    """Log ``text`` on Flower's logger unless this node already said ``reason``."""
+    said = ctxt.state.get(STATE_SAID)
+    found = said.get("reasons") if isinstance(said, ConfigRecord) else None
+    reasons = [str(r) for r in found] if isinstance(found, list) else []
+    if reason in reasons:
+        return
+    log(_WARNING, "ternary_mod (node %s): %s", ctxt.node_id, text)
+    ctxt.state[STATE_SAID] = ConfigRecord({"reasons": [*reasons, reason]})
 
 
 # ------------------------------------------------------------------ context.state

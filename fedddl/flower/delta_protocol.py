@@ -8,9 +8,12 @@ the client must hold, ``base``: -1 for the whole model, else the version the
 :data:`UPDATES` deltas start from, the ``digest`` of the broadcast float arrays, and
 the uplink settings); a reply carries ``META`` (the version it holds) and, when its
 model travels compressed, the :data:`DELTA` record against the broadcast model. Float
-arrays are compressed, others travel exact. A message without ``META`` is not
-compressed and passes through unchanged. Every record and key in full:
-docs/drop-in-compression.md.
+arrays (float16, float32, float64 stored as numpy arrays) are compressed, others (integer
+buffers, dtypes numpy does not know such as bfloat16) travel exact. Uplink deltas are
+computed and encoded in :data:`UPLINK_DTYPE` whatever the model's dtype; the reply's
+``META`` names the dtype of each compressed array as the client sent it, and the server
+restores it in that dtype. A message without ``META`` is not compressed and passes through
+unchanged. Every record and key in full: docs/drop-in-compression.md.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ from fedddl.training import tensors_fingerprint
 __all__ = [
     "DELTA",
     "DELTA_KEY",
+    "FLOAT_DTYPES",
     "META",
     "UPDATES",
+    "UPLINK_DTYPE",
     "Broadcast",
     "ReplyMeta",
     "SplitModel",
@@ -46,7 +51,11 @@ META = "fedddl.ternary"
 UPDATES = "fedddl.ternary.updates"
 DELTA = "fedddl.ternary.delta"
 DELTA_KEY = "delta"
-_FLOAT_DTYPES = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
+#: The Array dtypes that are compressed, by name.
+FLOAT_DTYPES = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
+#: The dtype of every uplink delta on the wire (and of the client's residual memory).
+UPLINK_DTYPE = torch.float32
+_NUMPY_STYPE = "numpy.ndarray"
 
 
 def update_key(version: int) -> str:
@@ -63,17 +72,25 @@ class SplitModel:
     others: dict[str, Array]
 
 
-def _dtype_of(name: str, array: Array) -> str:
+def _dtype_of(name: str, array: Array) -> str | None:
+    """The name of ``array``'s dtype when it is compressed (see :data:`FLOAT_DTYPES`)."""
     if not isinstance(array, Array):
         raise ValueError(f"array {name!r} is a {type(array).__name__}, not a flwr Array")
+    if array.stype != _NUMPY_STYPE or not isinstance(array.dtype, str):
+        return None
     try:
-        return str(np.dtype(array.dtype))
-    except TypeError as err:
-        raise ValueError(f"array {name!r} has an unknown dtype {array.dtype!r}") from err
+        dtype = str(np.dtype(array.dtype))
+    except TypeError:  # e.g. "bfloat16" without a numpy extension: travels exact
+        return None
+    return dtype if dtype in FLOAT_DTYPES else None
 
 
 def split_model(record: ArrayRecord) -> SplitModel:
     """Split ``record`` into float tensors (own memory) and the other Arrays, in order.
+
+    Float tensors are the numpy-serialized Arrays of a :data:`FLOAT_DTYPES` dtype; every
+    other Array (integer buffers, bfloat16 or another dtype numpy does not know, another
+    serialization) is kept as it is.
 
     Raises
     ------
@@ -86,7 +103,7 @@ def split_model(record: ArrayRecord) -> SplitModel:
     for name, array in record.items():
         names.append(name)
         dtype = _dtype_of(name, array)
-        if dtype not in _FLOAT_DTYPES:
+        if dtype is None:
             others[name] = array
             continue
         try:
@@ -225,11 +242,16 @@ def parse_broadcast(content: RecordDict) -> Broadcast:
 
 @dataclass(frozen=True)
 class ReplyMeta:
-    """The :data:`META` record of a reply: the version held, and what was compressed."""
+    """The :data:`META` record of a reply: the version held, and what was compressed.
+
+    ``dtypes``: the dtype the client sent each compressed (float) array in, in ``names``
+    order; None (left out when they are the broadcast model's): the broadcast model's.
+    """
 
     version: int
     record: str | None = None
     names: list[str] | None = None
+    dtypes: list[str] | None = None
 
     def to_record(self) -> ConfigRecord:
         """As the :data:`META` ConfigRecord."""
@@ -237,6 +259,8 @@ class ReplyMeta:
         if self.record is not None and self.names is not None:
             out["record"] = self.record
             out["names"] = list(self.names)
+            if self.dtypes is not None:
+                out["dtypes"] = list(self.dtypes)
         return out
 
 
@@ -253,4 +277,9 @@ def parse_reply_meta(content: RecordDict) -> ReplyMeta:
     if "record" not in meta:
         return ReplyMeta(version)
     record = str(_get(meta, "record", str))
-    return ReplyMeta(version, record, _names(meta))
+    if "dtypes" not in meta:
+        return ReplyMeta(version, record, _names(meta))
+    dtypes = meta.get("dtypes")
+    if not isinstance(dtypes, list) or not all(d in FLOAT_DTYPES for d in dtypes):
+        raise ValueError(f"{META} key 'dtypes' must be a list of {', '.join(FLOAT_DTYPES)}")
+    return ReplyMeta(version, record, _names(meta), [str(d) for d in dtypes])

@@ -35,6 +35,19 @@ finite is not adopted: the round keeps the previous model. The wrapper never rai
 reply. Nodes without the mod (no ``"fedddl.ternary"`` record) get the wrapped strategy's
 messages unchanged after their first reply; messages that carry no model (e.g. queries)
 pass through unchanged.
+
+**Dtypes.** Float16, float32 and float64 arrays are compressed whatever dtype the wrapped
+strategy returns (FedAdam's float64, a float16 model): the broadcast model keeps the dtypes
+of the first global model and the downlink deltas are cast to them; each uplink delta is
+sent in float32 and restored in the dtype the client's app sent. Other arrays (integer
+buffers, bfloat16 and other dtypes numpy does not know) travel exact.
+
+**No silent fallbacks.** Whenever the model travels plain (a new node, a node without the
+mod, a reply the mod could not compress, ...) the wrapper logs why, once per node and
+reason (:class:`~fedddl.flower.delta_traffic.Notices`), and each exchange's counts
+(compressed and plain messages and replies, array bytes sent and saved,
+:class:`~fedddl.flower.delta_traffic.Traffic`) are merged into the wrapped strategy's
+aggregated train and evaluate metrics, which Flower logs and keeps in its ``Result``.
 """
 
 from __future__ import annotations
@@ -59,7 +72,16 @@ from fedddl.flower.delta_admission import (
     parse_delta_reply,
 )
 from fedddl.flower.delta_broadcast import DeltaBroadcast
-from fedddl.flower.delta_protocol import DELTA, META, join_model, same_layout
+from fedddl.flower.delta_protocol import (
+    DELTA,
+    FLOAT_DTYPES,
+    META,
+    UPDATES,
+    UPLINK_DTYPE,
+    join_model,
+    same_layout,
+)
+from fedddl.flower.delta_traffic import Notices, Traffic, array_bytes, with_traffic
 from fedddl.sync.errors import PayloadRejected, ReplyError
 from fedddl.sync.messages import ClientReply, ParseFailure
 from fedddl.sync.report import RoundReport
@@ -143,7 +165,13 @@ class TernaryDelta(Strategy):
         self.admission = DeltaAdmission(
             ScaleBound(scale_bound, scale_bound_action, scale_bound_rounds)
         )
+        #: What was sent and saved over the run (each exchange's counts are in the
+        #: aggregated metrics); the plain notices.
+        self.traffic = Traffic()
+        self.notices = Notices()
+        self._exchange = Traffic()
         self._plain: set[int] = set()
+        self._known: set[int] = set()
         self._sent: dict[int, tuple[Message, str, Layout]] = {}
 
     def __repr__(self) -> str:
@@ -179,6 +207,7 @@ class TernaryDelta(Strategy):
         arrays, metrics = self.strategy.aggregate_train(
             server_round, self._incoming(server_round, replies)
         )
+        metrics = self._report(metrics)
         bad = None if arrays is None else _non_finite_array(arrays)
         if bad is not None:
             self.skipped.append(server_round)
@@ -198,7 +227,18 @@ class TernaryDelta(Strategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         """Strip this wrapper's records, then aggregate with the wrapped strategy."""
-        return self.strategy.aggregate_evaluate(server_round, self._incoming(server_round, replies))
+        incoming = self._incoming(server_round, replies)
+        return self._report(self.strategy.aggregate_evaluate(server_round, incoming))
+
+    def _report(self, metrics: MetricRecord | None) -> MetricRecord | None:
+        """``metrics`` with the exchange's traffic (None: no metrics and no model sent);
+        the notices logged; a new exchange."""
+        self.notices.flush()
+        exchange, self._exchange = self._exchange, Traffic()
+        self.traffic.add(exchange)
+        if metrics is None and exchange == Traffic():
+            return None
+        return with_traffic(metrics, exchange)
 
     # ------------------------------------------------------------------ downlink
     @property
@@ -211,23 +251,66 @@ class TernaryDelta(Strategy):
         return self.broadcast.model()
 
     def _outgoing(self, messages: Iterable[Message], arrays: ArrayRecord) -> list[Message]:
+        self._exchange = Traffic()
         out = []
         layout: Layout | None = None
         for message in messages:
             key = _model_key(message, arrays)
             node = message.metadata.dst_node_id
             if key is None:
+                if message.has_content() and message.content.array_records:
+                    self.notices.note(node, "not-model", _NOT_MODEL)
                 out.append(message)
                 continue
             layout = layout_of(arrays) if layout is None else layout
             self._sent[node] = (message, key, layout)
-            if node not in self._plain:
-                self.broadcast.advance(arrays)
-                held = self.admission.held(node)
-                message.content = self.broadcast.content_for(held, message.content, key)
-                self.admission.nodes.sent(node, self.version, self.compressor)
+            whole = array_bytes(message.content[key])
+            if node in self._plain:
+                self._exchange.down(False, whole, whole)
+                self.notices.note(node, "no-mod", _NO_MOD)
+                out.append(message)
+                continue
+            self.broadcast.advance(arrays)
+            held = self.admission.held(node)
+            message.content = self.broadcast.content_for(held, message.content, key)
+            self.admission.nodes.sent(node, self.version, self.compressor)
+            self._note_down(node, held, message.content, key, whole)
             out.append(message)
         return out
+
+    def _note_down(self, node: int, held: int, content: RecordDict, key: str, whole: int) -> None:
+        """Count a message to a node with the mod; say why when it carries the whole model."""
+        sent = array_bytes(content[key], content.get(UPDATES))
+        meta = content[META]
+        compressed = isinstance(meta, ConfigRecord) and meta.get("base", -1) != -1
+        self._exchange.down(compressed, whole, sent)
+        known = node in self._known
+        self._known.add(node)
+        if compressed:
+            return
+        behind = self.version - held
+        if not self.downlink:
+            reason, text = "downlink-off", "got the whole model: downlink=False"
+        elif not known:
+            reason, text = "new", "got the whole model: first message (no broadcast model yet)"
+        elif held < 0:
+            reason, text = "lost", (
+                "got the whole model: its last reply failed or did not come, or its state "
+                "was lost"
+            )
+        elif behind > self.update_log_size:
+            reason, text = "behind", (
+                f"got the whole model: further behind than the update log "
+                f"(update_log_size={self.update_log_size})"
+            )
+        else:
+            reason, text = "new-broadcast", (
+                "got the whole model: the global model's layout or dtypes changed, or its "
+                "delta could not be encoded"
+            )
+        level = _INFO if reason == "new" else _WARNING
+        self.notices.note(node, f"{reason}@{self.version}" if reason == "new-broadcast"
+                          else reason, text, level)  # fmt: skip
 
     # ------------------------------------------------------------------ uplink
     def _incoming(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
@@ -238,7 +321,7 @@ class TernaryDelta(Strategy):
         out: list[Message | None] = list(replies)
         sent: dict[int, Message] = {}
         compressed: list[ClientReply | ParseFailure] = []
-        position: dict[int, tuple[int, str | None]] = {}
+        position: dict[int, tuple[int, str | None, list[str] | None]] = {}
         broadcast = self.broadcast
         others = {n: broadcast.layout[n] for n in broadcast.others}
         for index, reply in enumerate(replies):
@@ -251,15 +334,28 @@ class TernaryDelta(Strategy):
                 continue
             content = reply.content
             if META not in content:
-                if instruction is not None:
-                    self._admit_plain(node, content, instruction[1:], report)
+                self._note_plain_up(node, content, _NO_MOD, "no-mod")
+                admitted = instruction is not None and self._admit_plain(
+                    node, content, instruction[1:], report
+                )
+                if admitted and node not in self._plain:  # the node runs no ternary_mod
+                    self._plain.add(node)
+                    self.admission.forget(node)
                 continue
             parsed = parse_delta_reply(node, content, others)
-            position[node] = (index, None if parsed.meta is None else parsed.meta.record)
-            if parsed.meta is not None and parsed.meta.record is None:
+            meta = parsed.meta
+            position[node] = (
+                index,
+                None if meta is None else meta.record,
+                None if meta is None else meta.dtypes,
+            )
+            if meta is not None and meta.record is None:
                 assert isinstance(parsed.reply, ClientReply)
+                self._note_plain_up(node, content, _PLAIN_REPLY, "plain-reply")
                 if self.admission.acknowledge(parsed.reply, report):
                     out[index] = _without_ours(reply, None, None)
+                    if instruction is not None:  # its arrays: as a plain reply's
+                        self._admit_plain(node, reply.content, instruction[1:], report)
             else:
                 compressed.append(parsed.reply)
         self._restore(compressed, replies, position, out, report)
@@ -270,35 +366,46 @@ class TernaryDelta(Strategy):
         self._account(report, replies, sent, out)
         return [reply for reply in out if reply is not None]
 
+    def _note_plain_up(self, node: int, content: RecordDict, text: str, reason: str) -> None:
+        """Count a reply whose arrays travelled plain (one without arrays carries no model)."""
+        records = [r for name, r in content.array_records.items() if name != DELTA]
+        if not any(len(r) for r in records):
+            return
+        size = array_bytes(*records)
+        self._exchange.up(False, size, size)
+        self.notices.note(node, reason, text)
+
     def _admit_plain(
         self, node: int, content: RecordDict, asked: tuple[str, Layout], report: RoundReport
-    ) -> None:
+    ) -> bool:
+        """Whether a reply whose arrays travelled plain passes (else dropped in ``report``)."""
         key, layout = asked
         try:
             check_plain_reply(node, content, key, layout)
         except PayloadRejected as err:
             self.admission.refuse(report, node, err)
-            return
-        if node not in self._plain:  # the node runs no ternary_mod
-            self._plain.add(node)
-            self.admission.forget(node)
+            return False
+        return True
 
     def _restore(
         self,
         compressed: list[ClientReply | ParseFailure],
         replies: list[Message],
-        position: dict[int, tuple[int, str | None]],
+        position: dict[int, tuple[int, str | None, list[str] | None]],
         out: list[Message | None],
         report: RoundReport,
     ) -> None:
         """Admit the compressed replies; each admitted one becomes the wrapped strategy's
-        model plus its delta."""
+        model plus its delta, in the dtypes the client sent."""
         broadcast = self.broadcast
+        wire = {n: t.to(UPLINK_DTYPE) for n, t in broadcast.floats.items()}
+        held = [str(t.numpy().dtype) for t in broadcast.floats.values()]
         admitted = self.admission.admit(
-            compressed, broadcast.floats, self.version, self.compressor, self.clip_sigma, report
+            compressed, wire, self.version, self.compressor, self.clip_sigma, report
         )
         for node, delta in admitted:
-            weights = {n: broadcast.exact[n] + delta[n] for n in broadcast.floats}
+            index, record, dtypes = position[node]
+            weights = _restored(broadcast.exact, delta, dtypes or held)
             bad = next((n for n, w in weights.items() if not bool(torch.isfinite(w).all())), None)
             if bad is not None:
                 self.admission.refuse(report, node, PayloadRejected(
@@ -306,10 +413,11 @@ class TernaryDelta(Strategy):
                     "not finite"
                 ))  # fmt: skip
                 continue
-            index, record = position[node]
-            sent = replies[index].content.get(record or "")
+            content = replies[index].content
+            sent = content.get(record or "")
             assert isinstance(sent, ArrayRecord)  # parse_delta_reply checked it
             model = join_model(broadcast.names, weights, dict(sent.items()))
+            self._exchange.up(True, array_bytes(model), array_bytes(sent, content.get(DELTA)))
             out[index] = _without_ours(replies[index], record, model)
 
     def _account(
@@ -339,6 +447,27 @@ class TernaryDelta(Strategy):
                 Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=reason),
                 reply_to=instruction,
             )  # fmt: skip
+
+
+_NO_MOD = "runs no ternary_mod: its messages and replies travel plain"
+_NOT_MODEL = (
+    "got a message whose arrays are not the global model's layout: sent as the strategy "
+    "built it"
+)
+_PLAIN_REPLY = "sent its reply's arrays uncompressed (its ternary_mod logs why)"
+
+
+def _restored(
+    exact: dict[str, torch.Tensor], delta: dict[str, torch.Tensor], dtypes: list[str]
+) -> dict[str, torch.Tensor]:
+    """The global model plus a reply's delta, added in the wider dtype, in the reply's
+    ``dtypes``."""
+    out = {}
+    for i, (name, tensor) in enumerate(exact.items()):
+        dtype = FLOAT_DTYPES[dtypes[i]]
+        wide = torch.promote_types(tensor.dtype, UPLINK_DTYPE)
+        out[name] = (tensor.to(wide) + delta[name].to(wide)).to(dtype)
+    return out
 
 
 def _without_ours(reply: Message, record: str | None, model: ArrayRecord | None) -> Message:
