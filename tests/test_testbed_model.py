@@ -20,7 +20,7 @@ from fedddl.testbed.flower_run import (
 )
 from fedddl.testbed.gossip_run import gossip_rates, mean_accuracy_curve, shaper_spec
 from fedddl.testbed.netns import LinkRates
-from fedddl.testbed.predict import predict_flower, ratio, star_network
+from fedddl.testbed.predict import WIRE_FACTOR, predict_flower, ratio, star_network
 
 
 def _result(walls: list[float], accs: list[float], up: int, down: int) -> dict[str, object]:
@@ -55,7 +55,7 @@ def test_predict_flower_adds_per_client_transfers_to_the_reference_compute() -> 
     reference = _result([5.0, 2.0, 4.0, 3.0], [0.1, 0.5, 0.7, 0.9], 100, 100)
     run = _result([9.0, 9.0, 9.0, 9.0], [0.1, 0.5, 0.7, 0.9], 2_000_000, 1_000_000)
     clients = [LinkRates(uplink_Bps=1e6, downlink_Bps=5e5)] * 2
-    p = predict_flower(run, reference, clients, fab_bytes=500_000, target=0.7)
+    p = predict_flower(run, reference, clients, fab_bytes=500_000, target=0.7, wire_factor=1.0)
     # Round 1: reference round 1 (5 s) + 1 MB up per client at 1 MB/s + FAB 0.5 MB at 0.5 MB/s.
     assert p["round_s"][0] == pytest.approx(5.0 + 1.0 + 1.0)
     # Later: median of the reference's later rounds (3 s) + 1 s up + 0.5 MB down at 0.5 MB/s.
@@ -63,6 +63,20 @@ def test_predict_flower_adds_per_client_transfers_to_the_reference_compute() -> 
     assert p["time_to_target_s"] == pytest.approx(7.0 + 5.0 + 5.0)
     assert p["fab_s"] == pytest.approx(1.0)
     assert p["transfer_s"] == pytest.approx(2.0 + 3 * 2.0)
+
+
+def test_predict_flower_charges_tcp_framing_by_default() -> None:
+    """The shaped link carries 1514-byte frames per 1448 payload bytes, so every transfer
+    takes WIRE_FACTOR x bytes / rate (the compute term is unchanged)."""
+    reference = _result([5.0, 3.0], [0.1, 0.5], 100, 100)
+    run = _result([9.0, 9.0], [0.1, 0.5], 2_000_000, 1_000_000)
+    clients = [LinkRates(uplink_Bps=1e6, downlink_Bps=5e5)] * 2
+    p = predict_flower(run, reference, clients, fab_bytes=500_000)
+    assert pytest.approx(1514 / 1448) == WIRE_FACTOR
+    assert p["wire_factor"] == WIRE_FACTOR
+    assert p["round_s"] == pytest.approx([5.0 + 2.0 * WIRE_FACTOR, 3.0 + 2.0 * WIRE_FACTOR])
+    assert p["fab_s"] == pytest.approx(WIRE_FACTOR)
+    assert p["transfer_s"] == pytest.approx(4.0 * WIRE_FACTOR)
 
 
 def test_star_network_leaves_unlimited_directions_fast() -> None:

@@ -69,8 +69,11 @@ __all__ = [
 FAST_SUPEREXEC_POLL_INTERVAL_S = 0.1
 #: SuperNode idle message poll the harness uses (Flower's hard-coded value is 3 s).
 FAST_SUPERNODE_POLL_INTERVAL_S = 0.2
-#: Modules the warm ClientApp fork server imports up front by default.
-WARM_CLIENTAPP_PRELOAD: tuple[str, ...] = ("torch", "fedddl.compression.warmup:warm_up")
+#: Modules the warm ClientApp fork server imports up front by default (the last entry
+#: shortens the ClientApp's retry waits for message objects still arriving:
+#: :mod:`fedddl.flower.object_pull`).
+WARM_CLIENTAPP_PRELOAD: tuple[str, ...] = ("torch", "fedddl.compression.warmup:warm_up",
+                                           "fedddl.flower.object_pull:patch_clientapp_pulls")
 
 _SUPERNODE_READY = re.compile(r"SuperNode ID: (\d+)")
 

@@ -13,6 +13,9 @@ one module* with a proxy whose ``sleep(3)`` / ``sleep(0.5)`` last
     python -m fedddl.flower.fast_supernode --poll-interval 0.2 -- \\
         --superlink 10.0.0.1:8000 --root-certificates ca.crt ...
 
+It also retries the pull of a message's objects that have not reached the
+SuperLink yet within 0.2 s instead of Flower's 1-10 s (:mod:`fedddl.flower.object_pull`).
+
 Trade-off: an idle SuperNode sends one pull request per interval (5/s at
 0.2 s instead of 1/3 s). The patch is checked against the pinned Flower
 version and refuses to run on a module that no longer looks as expected.
@@ -26,6 +29,8 @@ import time
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
+
+from fedddl.flower.object_pull import SUPERNODE, patch_object_pulls
 
 __all__ = ["ScaledSleepTime", "main", "patch_supernode_polling"]
 
@@ -101,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rest and rest[0] == "--":
         rest = rest[1:]
     patch_supernode_polling(args.poll_interval, args.reply_poll_interval)
+    patch_object_pulls(SUPERNODE)
     print(f"fedddl: SuperNode message poll {args.poll_interval} s, reply poll "
           f"{args.reply_poll_interval} s (Flower: 3 s / 0.5 s)", file=sys.stderr, flush=True)
     from flwr.supernode.cli import flower_supernode

@@ -278,11 +278,13 @@ def fast_poll(grid: Grid) -> Grid:
     """Poll Flower's own grids for replies sooner; return other grids as given.
 
     A deployment ``HttpGrid`` (3 s between pulls) gets a :class:`FastPollGrid` at
-    :data:`DEFAULT_POLL_INTERVAL_S`; the simulation's ``InMemoryGrid`` (0.1 s between
-    pulls, so a round that needs 0.11 s of work takes 0.2 s) gets one at
-    :data:`SIMULATION_POLL_INTERVAL_S` (a pull there is an in-memory lookup) that wakes the
-    engine's pickup on each push and pulls as soon as a reply is stored, when the
-    simulation runs inside :func:`fedddl.flower.message_pickup.quick_message_pickup`.
+    :data:`DEFAULT_POLL_INTERVAL_S`, and this process's pulls of reply objects that are
+    still arriving retry within 0.2 s instead of 1-10 s (:mod:`fedddl.flower.object_pull`);
+    the simulation's ``InMemoryGrid`` (0.1 s between pulls, so a round that needs 0.11 s
+    of work takes 0.2 s) gets one at :data:`SIMULATION_POLL_INTERVAL_S` (a pull there is
+    an in-memory lookup) that wakes the engine's pickup on each push and pulls as soon as
+    a reply is stored, when the simulation runs inside
+    :func:`fedddl.flower.message_pickup.quick_message_pickup`.
     Grids without push/pull (the inline engine's ``InlineGrid``) keep their own delivery.
     """
     try:
@@ -291,6 +293,9 @@ def fast_poll(grid: Grid) -> Grid:
     except ImportError:  # another Flower layout: keep Flower's own polling
         return grid
     if isinstance(grid, HttpGrid):
+        from fedddl.flower.object_pull import SERVERAPP, patch_object_pulls
+
+        patch_object_pulls(SERVERAPP)  # reply objects still uploading: retry soon, not in 1 s
         return FastPollGrid(grid)
     if isinstance(grid, InMemoryGrid):
         from fedddl.flower.message_pickup import current_session

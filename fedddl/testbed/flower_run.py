@@ -51,7 +51,8 @@ __all__ = ["RETRANSMITTED_SEGMENT_BYTES", "SUPERLINK_PORT", "TCP_OVERHEAD", "Flo
 
 #: Port of the SuperLink inside its own namespace (nothing else listens there).
 SUPERLINK_PORT = 9092
-_PRELOAD = ("torch", "numpy", "sklearn.datasets", "fedddl.compression.warmup:warm_up")
+_PRELOAD = ("torch", "numpy", "sklearn.datasets", "fedddl.compression.warmup:warm_up",
+            "fedddl.flower.object_pull:patch_clientapp_pulls")
 _CONNECTION = "testbed"
 
 _SEGMENT = 1448  # payload bytes of a full TCP segment at MTU 1500 (with timestamps)

@@ -5,11 +5,13 @@ SuperNode ``i`` reaches the SuperLink over its own access link (uplink
 ``B_up_i``, downlink ``B_down_i``, latency ``L``), all clients in parallel, so a
 synchronous round takes::
 
-    t_round(k) = c(k) + max_i (L + up_i(k) / B_up_i) + max_i (L + down_i(k) / B_down_i)
+    t_round(k) = c(k) + max_i (L + w up_i(k) / B_up_i) + max_i (L + w down_i(k) / B_down_i)
 
 with ``up_i`` / ``down_i`` the round's byte totals of the application's count
 split evenly over the clients, plus, in round 1, the app bundle (FAB) every
-SuperNode downloads. ``c(k)`` is measured on the *same testbed without limits*
+SuperNode downloads, and ``w`` the bytes a shaped link carries per application
+byte (:data:`WIRE_FACTOR`, Ethernet + IPv4 + TCP framing; 1 gives the simulator's
+``bytes / bandwidth``). ``c(k)`` is measured on the *same testbed without limits*
 (a reference run of the same configuration): its round 1 and the median of its
 other rounds. Nothing else of the testbed run enters the prediction except its
 byte counts and its accuracy per round (training is the same with and without
@@ -35,9 +37,15 @@ from pathlib import Path
 from typing import Any
 
 from fedddl.network import NetworkModel
+from fedddl.testbed.flower_run import TCP_OVERHEAD
 from fedddl.testbed.netns import LinkRates
 
-__all__ = ["message_overhead", "predict_flower", "predict_gossip", "ratio", "star_network"]
+__all__ = ["WIRE_FACTOR", "message_overhead", "predict_flower", "predict_gossip", "ratio",
+           "star_network"]
+
+#: Bytes on a shaped link per application byte of a large message: full TCP segments of
+#: 1448 payload bytes in 1514-byte frames (``htb`` counts whole frames).
+WIRE_FACTOR = 1.0 + TCP_OVERHEAD
 
 
 def star_network(clients: Sequence[LinkRates], latency_s: float = 0.0) -> NetworkModel:
@@ -63,6 +71,7 @@ def predict_flower(
     fab_bytes: int = 0,
     latency_s: float = 0.0,
     target: float | None = None,
+    wire_factor: float = WIRE_FACTOR,
 ) -> dict[str, Any]:
     """Predicted round times and time to ``target`` of the testbed run ``result``.
 
@@ -78,6 +87,8 @@ def predict_flower(
         One-way latency of every access link.
     target : float, optional
         Accuracy target.
+    wire_factor : float
+        Link bytes per application byte (1.0: the simulator's model).
 
     Returns
     -------
@@ -93,12 +104,14 @@ def predict_flower(
     server = n
     times, transfer_total, fab_s = [], 0.0, 0.0
     for index, record in enumerate(rounds):
-        up, down = int(record["bytes_up"]) / n, int(record["bytes_down"]) / n
+        up = wire_factor * int(record["bytes_up"]) / n
+        down = wire_factor * int(record["bytes_down"]) / n
         transfer = max(net.transfer_time(i, server, round(up)) for i in range(n)) if up else 0.0
         if down:
             transfer += max(net.transfer_time(server, i, round(down)) for i in range(n))
         if index == 0 and fab_bytes:
-            fab_s = max(net.transfer_time(server, i, fab_bytes) for i in range(n))
+            fab_s = max(net.transfer_time(server, i, round(wire_factor * fab_bytes))
+                        for i in range(n))
             transfer += fab_s
         transfer_total += transfer
         times.append((first if index == 0 else later) + transfer)
@@ -116,6 +129,7 @@ def predict_flower(
         "transfer_s": transfer_total,
         "fab_s": fab_s,
         "total_s": sum(times),
+        "wire_factor": wire_factor,
         "time_to_target_s": reached,
     }
 
