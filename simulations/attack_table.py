@@ -12,10 +12,11 @@ By default each cell runs in this process on the inline engine of ``fedddl simul
 messages of a simulation); ``--ray`` runs each cell as ``fedddl simulate`` on Ray in its
 own process instead (same apps, Ray actors, slower to start).
 
-Columns: ``plain mean`` is the mean without the scale bound and without the resync rate
-limit (``--scale-bound 0 --resync-interval 0``; malformed metrics and payloads whose
-header does not fit the model are refused whatever the settings); ``mean`` is the default;
-then each robust aggregator with the default bound. Model-poisoning attacks run in every
+Columns: ``plain mean`` is the mean without the scale bound, the direction check and the
+resync rate limit (``--scale-bound 0 --direction-check 0 --resync-interval 0``; malformed
+metrics and payloads whose header does not fit the model are refused whatever the
+settings); ``mean`` is the default; then each robust aggregator with the default bound
+and direction check. Model-poisoning attacks run in every
 column; attacks the screening refuses whatever the aggregator (bad metrics, oversized
 payloads) run with the default and one attacker only; the bandwidth attacks run plain and
 default, and their table shows bytes and replica agreement.
@@ -34,7 +35,7 @@ from typing import Any
 
 # Each column's run-config keys (``fedddl simulate --KEY VALUE`` for the Ray runs).
 COLUMNS: dict[str, dict[str, Any]] = {
-    "plain mean": {"scale-bound": 0.0, "resync-interval": 0},
+    "plain mean": {"scale-bound": 0.0, "resync-interval": 0, "direction-check": 0.0},
     "mean": {},
     "median": {"aggregator": "median"},
     "trimmed-mean": {"aggregator": "trimmed-mean"},

@@ -37,3 +37,4 @@ def test_plain_mean_turns_the_defences_off() -> None:
         {k: v for k, v in table.run_config("", 0, "plain mean", 3).items() if k != "num-clients"}
     )
     assert cfg.scale_bound == 0.0 and cfg.resync_interval == 0 and cfg.aggregator == "mean"
+    assert cfg.direction_check == 0.0
