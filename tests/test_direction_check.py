@@ -69,6 +69,21 @@ def test_three_coordinated_opposed_replies_of_ten_are_all_dropped() -> None:
     assert [c.reply.node_id for c in kept] == list(range(3, 10))
 
 
+def test_a_dense_reply_is_dropped_for_its_density_whatever_its_direction() -> None:
+    generator = torch.Generator().manual_seed(1)
+    grads = [g * (torch.rand(500, generator=generator) < 0.5) for g in _round()]  # ~25 % dense
+    grads[0] = torch.ones(500)  # all-plus: every code +1
+    check = DirectionCheck(0.1)
+    kept = list(check.filter(iter(_contributions(grads))))
+    assert [c.reply.node_id for c in kept] == list(range(1, 10))
+    assert "500 non-zero values, more than 2 x the round's median" in check.verdicts[0].reason
+    lenient = DirectionCheck(0.1, density=0.0)
+    list(lenient.filter(iter(_contributions(grads))))
+    assert "non-zero values" not in lenient.verdicts[0].reason
+    with pytest.raises(ValueError, match="density"):
+        DirectionCheck(0.1, density=0.5)
+
+
 def test_honest_rounds_pass_bit_for_bit() -> None:
     contributions = _contributions(_round())
     want = running_mean(iter(contributions)).gradient["w"]

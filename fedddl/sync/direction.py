@@ -15,12 +15,17 @@ others' vote more often than they disagree, and an opposed reply's disagree.
   non-zero values that agree with the others' vote minus the share that disagree
   (0 for an all-zero reply);
 * the reply is **dropped** when ``alignment_i < fraction × m``, where ``m`` is the lower
-  median of the round's alignments; nothing is dropped when ``m <= 0`` (no majority
-  direction to judge by) or when fewer than ``min_replies`` replies arrived.
+  median of the round's alignments; nothing is dropped for its direction when ``m <= 0``
+  (no majority direction to judge by);
+* the reply is also **dropped** when it has more than ``density ×`` the lower median
+  number of non-zero values of the round's replies (honest ternary replies of one round
+  have similar densities; a reply of all ±1 codes would weigh several honest ones and
+  could buy agreement with many coordinates);
+* nothing is judged when fewer than ``min_replies`` replies arrived.
 
 The kept contributions go on to the aggregator unchanged, in their order. Memory: one
 float32 copy of every contribution (``n ×`` the model, as the median's), plus an int32
-vote. ``fraction = 0`` disables the check (contributions stream through untouched).
+vote. ``fraction = 0`` disables both checks (contributions stream through untouched).
 """
 
 from __future__ import annotations
@@ -34,7 +39,11 @@ import torch
 from fedddl.sync.aggregation import Contribution
 from fedddl.sync.scale_bound import lower_median
 
-__all__ = ["DirectionCheck", "DirectionVerdict", "alignments"]
+__all__ = ["DENSITY_FACTOR", "DirectionCheck", "DirectionVerdict", "alignments"]
+
+#: A reply with more than this multiple of the round's median count of non-zero values is
+#: dropped (honest ternary replies of one round have similar counts).
+DENSITY_FACTOR = 2.0
 
 
 @dataclass(frozen=True)
@@ -83,15 +92,23 @@ class DirectionCheck:
         the check.
     min_replies : int
         Fewer replies than this in a round: nothing is judged.
+    density : float
+        A reply with more than this multiple of the round's median count of non-zero
+        values is dropped (0: no density check).
     """
 
-    def __init__(self, fraction: float = 0.0, min_replies: int = 3) -> None:
+    def __init__(
+        self, fraction: float = 0.0, min_replies: int = 3, density: float = DENSITY_FACTOR
+    ) -> None:
         if not (0 <= fraction <= 1) or math.isnan(fraction):
             raise ValueError(f"direction-check must be in [0, 1], got {fraction}")
         if min_replies < 2:
             raise ValueError(f"min_replies must be >= 2, got {min_replies}")
+        if not (density == 0 or 1 <= density < math.inf):
+            raise ValueError(f"density must be 0 (off) or >= 1, got {density}")
         self.fraction = float(fraction)
         self.min_replies = min_replies
+        self.density = float(density)
         self.verdicts: list[DirectionVerdict] = []
 
     @property
@@ -117,17 +134,24 @@ class DirectionCheck:
         found = alignments(signs)
         median = lower_median(found)
         limit = self.fraction * median
-        for contribution, alignment in zip(kept, found, strict=True):
+        counts = [int(torch.count_nonzero(s)) for s in signs]
+        most = self.density * lower_median(counts) if self.density else math.inf
+        for contribution, alignment, count in zip(kept, found, counts, strict=True):
             node = contribution.reply.node_id
-            if median > 0 and alignment < limit:
+            reason = ""
+            if count > most:
+                reason = (
+                    f"node {node}: {count} non-zero values, more than {self.density:g} x the "
+                    f"round's median {lower_median(counts)}: dropped"
+                )
+            elif median > 0 and alignment < limit:
                 reason = (
                     f"node {node}: direction opposes the round's majority: alignment "
                     f"{alignment:.3f} < {self.fraction:g} x the median {median:.3f}: dropped"
                 )
-                self.verdicts.append(DirectionVerdict(node, alignment, reason))
-                continue
-            self.verdicts.append(DirectionVerdict(node, alignment))
-            yield contribution
+            self.verdicts.append(DirectionVerdict(node, alignment, reason))
+            if not reason:
+                yield contribution
 
 
 def _copy(contribution: Contribution) -> Contribution:
