@@ -172,7 +172,8 @@ class AppConfig:
     direction_check : float
         A TernGrad-family server drops a reply whose signs agree with the other replies'
         majority vote less than this fraction of the round's median agreement, in
-        ``[0, 1]``; 0: off (:mod:`fedddl.sync.direction`).
+        ``[0, 1]``, and one with more than twice the round's median count of non-zero
+        values; 0: both off (:mod:`fedddl.sync.direction`).
     resync_interval : int
         Resyncs (snapshots, multi-update catch-ups) a node causes are served at most once
         every this many rounds, twice as long each time while it keeps failing; 0 or 1: no

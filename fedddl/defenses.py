@@ -19,7 +19,8 @@ combined, encoded or applied is skipped and logged; sums cannot overflow
   clipped to it (0: clipped only above the bound);
 * ``direction_check`` (``direction-check``): a reply whose signs agree with the other
   replies' majority vote less than this fraction of the round's median agreement is
-  dropped (:mod:`fedddl.sync.direction`; 0: off);
+  dropped, and so is a reply with more than twice the round's median count of non-zero
+  values (:mod:`fedddl.sync.direction`; 0: both off);
 * ``resync_interval`` (``resync-interval``): resyncs a node causes are served at most once
   every that many rounds (:mod:`fedddl.sync.resync_limit`).
 """

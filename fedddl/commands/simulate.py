@@ -196,7 +196,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.1,
         help="drop a reply whose signs align with the others' vote below this fraction of "
-        "the round's median alignment (0: off)",
+        "the round's median alignment, or with over 2x its median non-zero count (0: off)",
     )
     parser.add_argument(
         "--resync-interval",
