@@ -42,17 +42,22 @@ COLUMNS: dict[str, dict[str, Any]] = {
     "sign-vote": {"aggregator": "sign-vote"},
 }
 POISONING = ["scale:1e6", "scale:1e30", "sign-flip", "all-plus", "near-bound:7.9"]
+# Forged BatchNorm statistics: rows only for a model with BatchNorm (``--arch resnet8``).
+STATISTICS = ["bn-statistics:2", "bn-statistics:7.9"]
 REFUSED = ["nan-metrics", "inf-metrics", "huge-examples", "many-tensors"]
 BANDWIDTH = ["resync-spam", "fingerprint-lie"]
 ATTACKERS = (1, 3)
 CLIENTS = 10
 
 
-def cells() -> list[tuple[str, int, str]]:
-    """Every ``(attack, attackers, column)`` of the tables (attack '' is the clean run)."""
+def cells(statistics: bool = False) -> list[tuple[str, int, str]]:
+    """Every ``(attack, attackers, column)`` of the tables (attack '' is the clean run);
+    ``statistics``: with the :data:`STATISTICS` rows (one attacker, every column)."""
     out = [("", 0, column) for column in COLUMNS]
     for attack in POISONING:
         out += [(attack, n, column) for n in ATTACKERS for column in COLUMNS]
+    for attack in STATISTICS if statistics else ():
+        out += [(attack, 1, column) for column in COLUMNS]
     for attack in REFUSED:  # refused by the screening whatever the aggregator or the count
         out += [(attack, 1, "mean")]
     for attack in BANDWIDTH:
@@ -65,11 +70,18 @@ def _name(attack: str, attackers: int, column: str) -> str:
 
 
 def run_config(
-    attack: str, attackers: int, column: str, rounds: int, downlink: str = "reternarize"
+    attack: str,
+    attackers: int,
+    column: str,
+    rounds: int,
+    downlink: str = "reternarize",
+    arch: str = "",
 ) -> dict[str, Any]:
-    """One cell's run-config keys (and ``num-clients``), as ``fedddl simulate`` takes them."""
+    """One cell's run-config keys (and ``num-clients``), as ``fedddl simulate`` takes them
+    (``arch`` only when given)."""
     return {
         "num-clients": CLIENTS, "num-server-rounds": rounds, "dataset": "digits",
+        **({"arch": arch} if arch else {}),
         "partition": "stratified", "seed": 0, "downlink": downlink,
         "attack": attack, "num-attackers": attackers, **COLUMNS[column],
     }  # fmt: skip
@@ -87,7 +99,12 @@ def simulate_flags(keys: dict[str, Any]) -> list[str]:
 
 
 def run_inline(
-    attack: str, attackers: int, column: str, rounds: int, downlink: str = "reternarize"
+    attack: str,
+    attackers: int,
+    column: str,
+    rounds: int,
+    downlink: str = "reternarize",
+    arch: str = "",
 ) -> dict[str, Any]:
     """One cell on the inline engine (no Ray): the results dict of the ServerApp loop."""
     import torch
@@ -96,7 +113,7 @@ def run_inline(
 
     torch.set_num_threads(1)
     logging.disable(logging.WARNING)  # per-round logs of 10 clients x many cells: the JSON has them
-    return run_simulate_inline(run_config(attack, attackers, column, rounds, downlink))
+    return run_simulate_inline(run_config(attack, attackers, column, rounds, downlink, arch))
 
 
 def run_cell(
@@ -107,6 +124,7 @@ def run_cell(
     out: Path,
     extra: list[str] | None,
     downlink: str = "reternarize",
+    arch: str = "",
 ) -> dict[str, Any]:
     """Run (or read back) one cell's simulation (``extra`` None: in-process, else the
     extra ``fedddl simulate`` arguments of a Ray run)."""
@@ -114,7 +132,7 @@ def run_cell(
     if extra is None:
         if not path.exists():
             start = time.perf_counter()
-            data = run_inline(attack, attackers, column, rounds, downlink)
+            data = run_inline(attack, attackers, column, rounds, downlink, arch)
             data["runtime_s"] = time.perf_counter() - start
             path.write_text(json.dumps(data, indent=1, allow_nan=False))
             print(f"{path.name}: {data['final_accuracy']:.4f} in {data['runtime_s']:.0f} s")
@@ -129,7 +147,7 @@ def run_cell(
         command = [
             sys.executable, "-m", "fedddl", "simulate", "--strategy", "terngrad", "--quiet",
             "--out", str(path), *simulate_flags(run_config(attack, attackers, column, rounds,
-                                                           downlink)), *extra,
+                                                           downlink, arch)), *extra,
         ]  # fmt: skip
         start = time.perf_counter()
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
@@ -150,15 +168,17 @@ def _pct(value: float | None) -> str:
     return "—" if value is None else f"{100 * value:.2f}"
 
 
-def tables(results: dict[tuple[str, int, str], dict[str, Any]], rounds: int) -> str:
+def tables(results: dict[tuple[str, int, str], dict[str, Any]], rounds: int, arch: str = "") -> str:
     """The Markdown tables of the results."""
+    model = f", {arch}" if arch else ""
     lines = [
-        f"Final accuracy (%) after {rounds} rounds, digits, 10 clients:",
+        f"Final accuracy (%) after {rounds} rounds, digits{model}, 10 clients:",
         "",
         "| attack | attackers | " + " | ".join(COLUMNS) + " |",
         "|---|---|" + "---|" * len(COLUMNS),
     ]
-    rows = [("", 0)] + [(a, n) for a in POISONING for n in ATTACKERS] + [(a, 1) for a in REFUSED]
+    rows = [("", 0)] + [(a, n) for a in POISONING for n in ATTACKERS]
+    rows += [(a, 1) for a in STATISTICS] + [(a, 1) for a in REFUSED]
     for attack, attackers in rows:
         row = [
             _pct(results[(attack, attackers, c)]["final_accuracy"])
@@ -210,6 +230,9 @@ def main() -> int:
     parser.add_argument("--ray", action="store_true", help="each cell as fedddl simulate (Ray)")
     parser.add_argument("--downlink", default="reternarize", help="the run's downlink")
     parser.add_argument(
+        "--arch", default="", help="the model (e.g. resnet8: adds the bn-statistics rows)"
+    )
+    parser.add_argument(
         "--attacks", default="", help="comma-separated attacks to run ('none': clean; '': all)"
     )
     parser.add_argument("--columns", default="", help="comma-separated columns to run ('': all)")
@@ -218,7 +241,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     wanted = {a if a != "none" else "" for a in args.attacks.split(",")} if args.attacks else None
-    for attack, attackers, column in cells():
+    for attack, attackers, column in cells(statistics=bool(args.arch)):
         if wanted is not None and attack not in wanted:
             continue
         if args.columns and column not in args.columns.split(","):
@@ -228,9 +251,9 @@ def main() -> int:
             continue
         extra = ["--cpus-per-client", args.cpus_per_client] if args.ray else None
         results[(attack, attackers, column)] = run_cell(
-            attack, attackers, column, args.rounds, out, extra, args.downlink
+            attack, attackers, column, args.rounds, out, extra, args.downlink, args.arch
         )
-    print(tables(results, args.rounds))
+    print(tables(results, args.rounds, args.arch))
     return 0
 
 
