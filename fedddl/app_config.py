@@ -169,6 +169,11 @@ class AppConfig:
     scale_weight : float
         A reply's scale above this multiple of the median is clipped to it (0: no cap
         below the bound).
+    direction_check : float
+        A TernGrad-family server drops a reply whose signs agree with the other replies'
+        majority vote less than this fraction of the round's median agreement, in
+        ``[0, 1]``, and one with more than twice the round's median count of non-zero
+        values; 0: both off (:mod:`fedddl.sync.direction`).
     resync_interval : int
         Resyncs (snapshots, multi-update catch-ups) a node causes are served at most once
         every this many rounds, twice as long each time while it keeps failing; 0 or 1: no
@@ -226,6 +231,7 @@ class AppConfig:
     scale_bound_rounds: int = _DEFENSES.scale_bound_rounds
     scale_weight: float = _DEFENSES.scale_weight
     resync_interval: int = _DEFENSES.resync_interval
+    direction_check: float = _DEFENSES.direction_check
     attack: str = ""
     num_attackers: int = 0
 
@@ -396,6 +402,7 @@ class AppConfig:
             scale_bound_rounds=self.scale_bound_rounds,
             scale_weight=self.scale_weight,
             resync_interval=self.resync_interval,
+            direction_check=self.direction_check,
         )
 
     def replace(self, **changes: Any) -> AppConfig:

@@ -17,6 +17,10 @@ combined, encoded or applied is skipped and logged; sums cannot overflow
   of the ``shared-scale-sum`` downlink at ``k ×`` the median of the reported ones;
   ``scale_weight`` (``scale-weight``): a scale above that multiple of the median is
   clipped to it (0: clipped only above the bound);
+* ``direction_check`` (``direction-check``): a reply whose signs agree with the other
+  replies' majority vote less than this fraction of the round's median agreement is
+  dropped, and so is a reply with more than twice the round's median count of non-zero
+  values (:mod:`fedddl.sync.direction`; 0: both off);
 * ``resync_interval`` (``resync-interval``): resyncs a node causes are served at most once
   every that many rounds (:mod:`fedddl.sync.resync_limit`).
 """
@@ -45,6 +49,7 @@ class Defenses:
     scale_bound_rounds: int = 10
     scale_weight: float = 3.0
     resync_interval: int = 30
+    direction_check: float = 0.1
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the bad setting."""
@@ -65,5 +70,7 @@ class Defenses:
             raise ValueError(f"scale-bound-rounds must be >= 0, got {self.scale_bound_rounds}")
         if not (self.scale_weight == 0 or 1 <= self.scale_weight < math.inf):
             raise ValueError(f"scale-weight must be 0 (off) or >= 1, got {self.scale_weight}")
+        if not 0 <= self.direction_check <= 1:
+            raise ValueError(f"direction-check must be in [0, 1], got {self.direction_check}")
         if self.resync_interval < 0:
             raise ValueError(f"resync-interval must be >= 0, got {self.resync_interval}")

@@ -12,10 +12,11 @@ By default each cell runs in this process on the inline engine of ``fedddl simul
 messages of a simulation); ``--ray`` runs each cell as ``fedddl simulate`` on Ray in its
 own process instead (same apps, Ray actors, slower to start).
 
-Columns: ``plain mean`` is the mean without the scale bound and without the resync rate
-limit (``--scale-bound 0 --resync-interval 0``; malformed metrics and payloads whose
-header does not fit the model are refused whatever the settings); ``mean`` is the default;
-then each robust aggregator with the default bound. Model-poisoning attacks run in every
+Columns: ``plain mean`` is the mean without the scale bound, the direction check and the
+resync rate limit (``--scale-bound 0 --direction-check 0 --resync-interval 0``; malformed
+metrics and payloads whose header does not fit the model are refused whatever the
+settings); ``mean`` is the default; then each robust aggregator with the default bound
+and direction check. Model-poisoning attacks run in every
 column; attacks the screening refuses whatever the aggregator (bad metrics, oversized
 payloads) run with the default and one attacker only; the bandwidth attacks run plain and
 default, and their table shows bytes and replica agreement.
@@ -34,24 +35,29 @@ from typing import Any
 
 # Each column's run-config keys (``fedddl simulate --KEY VALUE`` for the Ray runs).
 COLUMNS: dict[str, dict[str, Any]] = {
-    "plain mean": {"scale-bound": 0.0, "resync-interval": 0},
+    "plain mean": {"scale-bound": 0.0, "resync-interval": 0, "direction-check": 0.0},
     "mean": {},
     "median": {"aggregator": "median"},
     "trimmed-mean": {"aggregator": "trimmed-mean"},
     "sign-vote": {"aggregator": "sign-vote"},
 }
 POISONING = ["scale:1e6", "scale:1e30", "sign-flip", "all-plus", "near-bound:7.9"]
+# Forged BatchNorm statistics: rows only for a model with BatchNorm (``--arch resnet8``).
+STATISTICS = ["bn-statistics:2", "bn-statistics:7.9"]
 REFUSED = ["nan-metrics", "inf-metrics", "huge-examples", "many-tensors"]
 BANDWIDTH = ["resync-spam", "fingerprint-lie"]
 ATTACKERS = (1, 3)
 CLIENTS = 10
 
 
-def cells() -> list[tuple[str, int, str]]:
-    """Every ``(attack, attackers, column)`` of the tables (attack '' is the clean run)."""
+def cells(statistics: bool = False) -> list[tuple[str, int, str]]:
+    """Every ``(attack, attackers, column)`` of the tables (attack '' is the clean run);
+    ``statistics``: with the :data:`STATISTICS` rows (one attacker, every column)."""
     out = [("", 0, column) for column in COLUMNS]
     for attack in POISONING:
         out += [(attack, n, column) for n in ATTACKERS for column in COLUMNS]
+    for attack in STATISTICS if statistics else ():
+        out += [(attack, 1, column) for column in COLUMNS]
     for attack in REFUSED:  # refused by the screening whatever the aggregator or the count
         out += [(attack, 1, "mean")]
     for attack in BANDWIDTH:
@@ -64,11 +70,18 @@ def _name(attack: str, attackers: int, column: str) -> str:
 
 
 def run_config(
-    attack: str, attackers: int, column: str, rounds: int, downlink: str = "reternarize"
+    attack: str,
+    attackers: int,
+    column: str,
+    rounds: int,
+    downlink: str = "reternarize",
+    arch: str = "",
 ) -> dict[str, Any]:
-    """One cell's run-config keys (and ``num-clients``), as ``fedddl simulate`` takes them."""
+    """One cell's run-config keys (and ``num-clients``), as ``fedddl simulate`` takes them
+    (``arch`` only when given)."""
     return {
         "num-clients": CLIENTS, "num-server-rounds": rounds, "dataset": "digits",
+        **({"arch": arch} if arch else {}),
         "partition": "stratified", "seed": 0, "downlink": downlink,
         "attack": attack, "num-attackers": attackers, **COLUMNS[column],
     }  # fmt: skip
@@ -86,7 +99,12 @@ def simulate_flags(keys: dict[str, Any]) -> list[str]:
 
 
 def run_inline(
-    attack: str, attackers: int, column: str, rounds: int, downlink: str = "reternarize"
+    attack: str,
+    attackers: int,
+    column: str,
+    rounds: int,
+    downlink: str = "reternarize",
+    arch: str = "",
 ) -> dict[str, Any]:
     """One cell on the inline engine (no Ray): the results dict of the ServerApp loop."""
     import torch
@@ -95,7 +113,7 @@ def run_inline(
 
     torch.set_num_threads(1)
     logging.disable(logging.WARNING)  # per-round logs of 10 clients x many cells: the JSON has them
-    return run_simulate_inline(run_config(attack, attackers, column, rounds, downlink))
+    return run_simulate_inline(run_config(attack, attackers, column, rounds, downlink, arch))
 
 
 def run_cell(
@@ -106,6 +124,7 @@ def run_cell(
     out: Path,
     extra: list[str] | None,
     downlink: str = "reternarize",
+    arch: str = "",
 ) -> dict[str, Any]:
     """Run (or read back) one cell's simulation (``extra`` None: in-process, else the
     extra ``fedddl simulate`` arguments of a Ray run)."""
@@ -113,7 +132,7 @@ def run_cell(
     if extra is None:
         if not path.exists():
             start = time.perf_counter()
-            data = run_inline(attack, attackers, column, rounds, downlink)
+            data = run_inline(attack, attackers, column, rounds, downlink, arch)
             data["runtime_s"] = time.perf_counter() - start
             path.write_text(json.dumps(data, indent=1, allow_nan=False))
             print(f"{path.name}: {data['final_accuracy']:.4f} in {data['runtime_s']:.0f} s")
@@ -128,7 +147,7 @@ def run_cell(
         command = [
             sys.executable, "-m", "fedddl", "simulate", "--strategy", "terngrad", "--quiet",
             "--out", str(path), *simulate_flags(run_config(attack, attackers, column, rounds,
-                                                           downlink)), *extra,
+                                                           downlink, arch)), *extra,
         ]  # fmt: skip
         start = time.perf_counter()
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
@@ -149,15 +168,17 @@ def _pct(value: float | None) -> str:
     return "—" if value is None else f"{100 * value:.2f}"
 
 
-def tables(results: dict[tuple[str, int, str], dict[str, Any]], rounds: int) -> str:
+def tables(results: dict[tuple[str, int, str], dict[str, Any]], rounds: int, arch: str = "") -> str:
     """The Markdown tables of the results."""
+    model = f", {arch}" if arch else ""
     lines = [
-        f"Final accuracy (%) after {rounds} rounds, digits, 10 clients:",
+        f"Final accuracy (%) after {rounds} rounds, digits{model}, 10 clients:",
         "",
         "| attack | attackers | " + " | ".join(COLUMNS) + " |",
         "|---|---|" + "---|" * len(COLUMNS),
     ]
-    rows = [("", 0)] + [(a, n) for a in POISONING for n in ATTACKERS] + [(a, 1) for a in REFUSED]
+    rows = [("", 0)] + [(a, n) for a in POISONING for n in ATTACKERS]
+    rows += [(a, 1) for a in STATISTICS] + [(a, 1) for a in REFUSED]
     for attack, attackers in rows:
         row = [
             _pct(results[(attack, attackers, c)]["final_accuracy"])
@@ -209,6 +230,9 @@ def main() -> int:
     parser.add_argument("--ray", action="store_true", help="each cell as fedddl simulate (Ray)")
     parser.add_argument("--downlink", default="reternarize", help="the run's downlink")
     parser.add_argument(
+        "--arch", default="", help="the model (e.g. resnet8: adds the bn-statistics rows)"
+    )
+    parser.add_argument(
         "--attacks", default="", help="comma-separated attacks to run ('none': clean; '': all)"
     )
     parser.add_argument("--columns", default="", help="comma-separated columns to run ('': all)")
@@ -217,7 +241,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     wanted = {a if a != "none" else "" for a in args.attacks.split(",")} if args.attacks else None
-    for attack, attackers, column in cells():
+    for attack, attackers, column in cells(statistics=bool(args.arch)):
         if wanted is not None and attack not in wanted:
             continue
         if args.columns and column not in args.columns.split(","):
@@ -227,9 +251,9 @@ def main() -> int:
             continue
         extra = ["--cpus-per-client", args.cpus_per_client] if args.ray else None
         results[(attack, attackers, column)] = run_cell(
-            attack, attackers, column, args.rounds, out, extra, args.downlink
+            attack, attackers, column, args.rounds, out, extra, args.downlink, args.arch
         )
-    print(tables(results, args.rounds))
+    print(tables(results, args.rounds, args.arch))
     return 0
 
 

@@ -37,3 +37,19 @@ def test_plain_mean_turns_the_defences_off() -> None:
         {k: v for k, v in table.run_config("", 0, "plain mean", 3).items() if k != "num-clients"}
     )
     assert cfg.scale_bound == 0.0 and cfg.resync_interval == 0 and cfg.aggregator == "mean"
+    assert cfg.direction_check == 0.0
+
+
+def test_the_statistics_rows_come_with_a_batchnorm_model() -> None:
+    table = attack_table
+    assert not any(a.startswith("bn-statistics") for a, _, _ in table.cells())
+    rows = [c for c in table.cells(statistics=True) if c[0].startswith("bn-statistics")]
+    assert {(a, n) for a, n, _ in rows} == {(a, 1) for a in table.STATISTICS}
+    assert {c for _, _, c in rows} == set(table.COLUMNS)
+    keys = table.run_config("bn-statistics:7.9", 1, "mean", 3, arch="resnet8")
+    cfg = AppConfig.from_run_config({k: v for k, v in keys.items() if k != "num-clients"})
+    assert (cfg.arch, cfg.attack) == ("resnet8", "bn-statistics:7.9")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(table.simulate_flags(keys)).arch == "resnet8"
+    assert "arch" not in table.run_config("", 0, "mean", 3)

@@ -289,7 +289,7 @@ def test_simulate_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch) -> Non
     flags = (
         "--attack sign-flip --num-attackers 3 --aggregator trimmed-mean --trim-fraction 0.3 "
         "--scale-bound 4 --scale-bound-action drop --scale-bound-rounds 2 --resync-interval 5 "
-        "--scale-weight 1.5"
+        "--scale-weight 1.5 --direction-check 0.3"
     )
     args = parser.parse_args(flags.split(" "))
     assert simulate.run(args) == 0
@@ -303,6 +303,9 @@ def test_simulate_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch) -> Non
     assert (cfg.scale_bound, cfg.scale_bound_action, cfg.scale_bound_rounds) == (4.0, "drop", 2)
     assert cfg.resync_interval == 5 and cfg.scale_weight == 1.5
     assert cfg.defenses().scale_weight == 1.5
+    assert cfg.direction_check == 0.3 and cfg.defenses().direction_check == 0.3
+    default = AppConfig.from_run_config({})
+    assert default.direction_check == 0.1 and default.defenses().direction_check == 0.1
     assert simulate.run(parser.parse_args(["--attack", "bogus", "--num-attackers", "1"])) == 2
     assert simulate.run(parser.parse_args(["--num-attackers", "11"])) == 2
 

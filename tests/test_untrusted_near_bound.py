@@ -32,8 +32,9 @@ def _run(attack: str = "", **settings: Any) -> dict[str, Any]:
 
 
 def test_a_scale_just_under_the_bound_is_clipped_to_the_cap_every_round() -> None:
-    capped = _run("near-bound:7.9")
-    uncapped = _run("near-bound:7.9", scale_weight=0.0)
+    # the cap alone: with the direction check (default) the attacker is dropped anyway
+    capped = _run("near-bound:7.9", direction_check=0.0)
+    uncapped = _run("near-bound:7.9", scale_weight=0.0, direction_check=0.0)
     bad = {str(1000 + p) for p in attacker_partitions(NODES, 1, 0)}
     for r in capped["rounds"]:
         assert set(r["clipped"]) >= bad and "the cap" in r["clipped"][min(bad)]
@@ -50,4 +51,22 @@ def test_sign_vote_holds_one_near_bound_attacker_within_three_points_of_clean() 
     assert voted["final_accuracy"] >= clean["final_accuracy"] - 0.03, (
         voted["final_accuracy"],
         clean["final_accuracy"],
+    )
+
+
+def test_the_default_drops_a_near_bound_attacker_every_round_within_three_points() -> None:
+    clean = _run()
+    attacked = _run("near-bound:7.9")
+    bad = {str(1000 + p) for p in attacker_partitions(NODES, 1, 0)}
+    for r in attacked["rounds"]:
+        assert set(r["dropped"]) >= bad
+        assert "direction opposes the round's majority" in r["dropped"][min(bad)]
+    assert attacked["final_accuracy"] >= clean["final_accuracy"] - 0.03, (
+        attacked["final_accuracy"],
+        clean["final_accuracy"],
+    )
+    off = _run("near-bound:7.9", direction_check=0.0)
+    assert attacked["final_accuracy"] > off["final_accuracy"] + 0.05, (
+        attacked["final_accuracy"],
+        off["final_accuracy"],
     )

@@ -192,6 +192,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a reply's scale above this multiple of the median is clipped to it (0: off)",
     )
     parser.add_argument(
+        "--direction-check",
+        type=float,
+        default=0.1,
+        help="drop a reply whose signs align with the others' vote below this fraction of "
+        "the round's median alignment, or with over 2x its median non-zero count (0: off)",
+    )
+    parser.add_argument(
         "--resync-interval",
         type=int,
         default=30,
@@ -270,6 +277,7 @@ def run(args: argparse.Namespace) -> int:
             scale_bound_rounds=args.scale_bound_rounds,
             scale_weight=args.scale_weight,
             resync_interval=args.resync_interval,
+            direction_check=args.direction_check,
             attack=args.attack,
             num_attackers=args.num_attackers,
         )

@@ -213,10 +213,10 @@ def _contribution(
     return Contribution(reply, values, scales=scales, statistics=item.statistics, peaks=peaks)
 
 
-def drop(report: RoundReport, node: int, error: ReplyError) -> None:
-    """Record (and log) that ``node``'s reply is dropped for ``error``."""
+def drop(report: RoundReport, node: int, error: ReplyError, level: int = WARNING) -> None:
+    """Record (and log at ``level``) that ``node``'s reply is dropped for ``error``."""
     report.dropped[node] = str(error)
     report.errors[node] = error
     if isinstance(error, FingerprintMismatch):
         report.note_fingerprint_checked(node, mismatch=True)
-    logger.log(WARNING, "dropping reply: %s", error)
+    logger.log(level, "dropping reply: %s", error)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "FingerprintMismatch",
+    "OpposedDirection",
     "PayloadRejected",
     "ReplyError",
     "ResyncRequest",
@@ -39,3 +40,7 @@ class FingerprintMismatch(ReplyError):
 
 class PayloadRejected(ReplyError):
     """The encoded gradient does not decode, or does not fit the model."""
+
+
+class OpposedDirection(ReplyError):
+    """The gradient's signs oppose the other replies' majority (:mod:`fedddl.sync.direction`)."""

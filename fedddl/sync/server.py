@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from logging import INFO, WARNING, getLogger
+from logging import DEBUG, INFO, WARNING, getLogger
 
 import torch
 from torch import nn
@@ -28,11 +28,13 @@ from fedddl.compression.codecs.downlink import TAG_BUNDLE, add_statistics
 from fedddl.defenses import Defenses
 from fedddl.lr_decay import NO_DECAY, StepDecay
 from fedddl.replica import Replica, UpdateLog
-from fedddl.sync.admission import ReplyAdmission
+from fedddl.sync.admission import ReplyAdmission, drop
 from fedddl.sync.aggregation import Aggregate, Contribution
 from fedddl.sync.broadcast import Broadcast
 from fedddl.sync.catch_up import CatchUpPlanner
 from fedddl.sync.checkpoints import load_scale_bound
+from fedddl.sync.direction import DirectionCheck
+from fedddl.sync.errors import OpposedDirection
 from fedddl.sync.exemptions import WARMUP_COMPRESSOR, exempt_parameters
 from fedddl.sync.grid_log import GridLog
 from fedddl.sync.grid_replica import GridReplica
@@ -109,6 +111,8 @@ class ReplicaServer:
         build_compressor(self.hooks.compressor_name(), seed=0, clip_sigma=clip_sigma)  # validates
         self.defenses = defenses if defenses is not None else Defenses()
         self.scale_bound = self._new_scale_bound()
+        self.direction = DirectionCheck(self.defenses.direction_check)
+        self._direction_warned: set[int] = set()  # nodes whose direction drop was logged
         self.replica: ShadowReplica | GridShadow
         if downlink == "grid":
             self.replica = GridShadow(
@@ -213,12 +217,16 @@ class ReplicaServer:
         admitted = self.admission.screen(replies, self._rules(server_round), report)
         failure = ""
         try:
-            aggregate = self.hooks.aggregate_gradients(
-                self.admission.decoded(admitted, self.replica.buffers(), report)
-            )
+            decoded = self.admission.decoded(admitted, self.replica.buffers(), report)
+            aggregate = self.hooks.aggregate_gradients(self.direction.filter(decoded))
         except Exception as err:  # e.g. a robust aggregator's bug on hostile input
             aggregate = Aggregate({})
             failure = f"aggregation failed: {type(err).__name__}: {err}"
+        for verdict in self.direction.verdicts:  # a node's first at WARNING, later at DEBUG
+            if verdict.reason:
+                level = DEBUG if verdict.node_id in self._direction_warned else WARNING
+                self._direction_warned.add(verdict.node_id)
+                drop(report, verdict.node_id, OpposedDirection(verdict.reason), level)
         contributors = aggregate.contributors
         report.accepted = sorted(r.node_id for r in contributors)
         if contributors:

@@ -1,0 +1,166 @@
+"""Leave out replies whose direction opposes the round's majority (a direction check).
+
+A reply at an honest scale whose signs are set against the honest gradient (a sign flip,
+a negated gradient just under the scale bound) weighs as much as an honest client and
+cancels one: no scale bound can tell it apart. Its *direction* can: per coordinate, the
+honest majority's signs agree with each other, so an honest reply's signs agree with the
+others' vote more often than they disagree, and an opposed reply's disagree.
+
+:class:`DirectionCheck` copies the round's contributions, then for each reply ``i``:
+
+* ``vote_-i`` = per coordinate, the sign of the sum of the *other* replies' signs
+  (every tensor, flattened; a leave-one-out signSGD majority vote, so a reply cannot vote
+  for itself);
+* ``alignment_i`` = ``Σ sign(x_i) · vote_-i / nnz(x_i)``, in ``[-1, 1]``: the share of its
+  non-zero values that agree with the others' vote minus the share that disagree
+  (0 for an all-zero reply);
+* the reply is **dropped** when ``alignment_i < fraction × m``, where ``m`` is the lower
+  median of the round's alignments; nothing is dropped for its direction when ``m <= 0``
+  (no majority direction to judge by);
+* the reply is also **dropped** when it has more than ``density ×`` the lower median
+  number of non-zero values of the round's replies (honest ternary replies of one round
+  have similar densities; a reply of all ±1 codes would weigh several honest ones and
+  could buy agreement with many coordinates);
+* nothing is judged when fewer than ``min_replies`` replies arrived.
+
+The kept contributions go on to the aggregator unchanged, in their order. Memory: one
+float32 copy of every contribution (``n ×`` the model, as the median's), plus an int32
+vote. ``fraction = 0`` disables both checks (contributions stream through untouched).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from fedddl.sync.aggregation import Contribution
+from fedddl.sync.scale_bound import lower_median
+
+__all__ = ["DENSITY_FACTOR", "DirectionCheck", "DirectionVerdict", "alignments"]
+
+#: A reply with more than this multiple of the round's median count of non-zero values is
+#: dropped (honest ternary replies of one round have similar counts).
+DENSITY_FACTOR = 2.0
+
+
+@dataclass(frozen=True)
+class DirectionVerdict:
+    """One reply's direction check: its alignment and, if dropped, why."""
+
+    node_id: int
+    alignment: float
+    reason: str = ""
+
+
+def alignments(signs: list[torch.Tensor]) -> list[float]:
+    """Each flat sign vector's alignment with the leave-one-out vote of the others.
+
+    Parameters
+    ----------
+    signs : list[torch.Tensor]
+        One flat int8 tensor of -1/0/+1 per reply, all of one length.
+
+    Returns
+    -------
+    list[float]
+        ``Σ s_i · sign(Σ_{j≠i} s_j) / max(1, nnz(s_i))``, per reply.
+    """
+    if not signs:
+        return []
+    vote = torch.zeros(signs[0].numel(), dtype=torch.int32)
+    for s in signs:
+        vote += s.to(torch.int32)
+    out: list[float] = []
+    for s in signs:
+        wide = s.to(torch.int32)
+        others = torch.sign(vote - wide)
+        nonzero = int(torch.count_nonzero(wide))
+        out.append(float(torch.sum(wide * others)) / max(1, nonzero))
+    return out
+
+
+class DirectionCheck:
+    """Drop replies opposed to the others' majority direction (see the module docstring).
+
+    Parameters
+    ----------
+    fraction : float
+        A reply is dropped below ``fraction ×`` the round's median alignment; 0 disables
+        the check.
+    min_replies : int
+        Fewer replies than this in a round: nothing is judged.
+    density : float
+        A reply with more than this multiple of the round's median count of non-zero
+        values is dropped (0: no density check).
+    """
+
+    def __init__(
+        self, fraction: float = 0.0, min_replies: int = 3, density: float = DENSITY_FACTOR
+    ) -> None:
+        if not (0 <= fraction <= 1) or math.isnan(fraction):
+            raise ValueError(f"direction-check must be in [0, 1], got {fraction}")
+        if min_replies < 2:
+            raise ValueError(f"min_replies must be >= 2, got {min_replies}")
+        if not (density == 0 or 1 <= density < math.inf):
+            raise ValueError(f"density must be 0 (off) or >= 1, got {density}")
+        self.fraction = float(fraction)
+        self.min_replies = min_replies
+        self.density = float(density)
+        self.verdicts: list[DirectionVerdict] = []
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the check is on."""
+        return self.fraction > 0
+
+    def filter(self, contributions: Iterable[Contribution]) -> Iterator[Contribution]:
+        """The contributions that pass (copies, in order); :attr:`verdicts` holds this
+        round's alignments and reasons once the iterator is exhausted."""
+        self.verdicts = []
+        if not self.enabled:
+            yield from contributions
+            return
+        kept = [_copy(c) for c in contributions]
+        if len(kept) < self.min_replies:
+            yield from kept
+            return
+        signs = [
+            torch.cat([torch.sign(v.reshape(-1)).to(torch.int8) for v in c.gradient.values()])
+            for c in kept
+        ]
+        found = alignments(signs)
+        median = lower_median(found)
+        limit = self.fraction * median
+        counts = [int(torch.count_nonzero(s)) for s in signs]
+        most = self.density * lower_median(counts) if self.density else math.inf
+        for contribution, alignment, count in zip(kept, found, counts, strict=True):
+            node = contribution.reply.node_id
+            reason = ""
+            if count > most:
+                reason = (
+                    f"node {node}: {count} non-zero values, more than {self.density:g} x the "
+                    f"round's median {lower_median(counts)}: dropped"
+                )
+            elif median > 0 and alignment < limit:
+                reason = (
+                    f"node {node}: direction opposes the round's majority: alignment "
+                    f"{alignment:.3f} < {self.fraction:g} x the median {median:.3f}: dropped"
+                )
+            self.verdicts.append(DirectionVerdict(node, alignment, reason))
+            if not reason:
+                yield contribution
+
+
+def _copy(contribution: Contribution) -> Contribution:
+    """``contribution`` with its gradient copied out of the shared decode buffer."""
+    gradient = {k: v.clone() for k, v in contribution.gradient.items()}
+    return Contribution(
+        contribution.reply,
+        gradient,
+        scales=contribution.scales,
+        statistics=contribution.statistics,
+        peaks=contribution.peaks,
+    )
