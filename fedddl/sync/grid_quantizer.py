@@ -78,21 +78,28 @@ class GridQuantizer:
         #: Name -> last round's exponent.
         self.exponents: dict[str, int] = {}
 
-    def _exponent(self, name: str, peak: float) -> int:
+    def _exponent(self, name: str, peak: float, floor: int | None) -> int:
         previous = self.exponents.get(name)
+        low = MIN_EXPONENT if floor is None else min(max(floor, MIN_EXPONENT), MAX_EXPONENT)
         if peak == 0.0:
-            return 0 if previous is None else previous
+            return (0 if floor is None else low) if previous is None else max(previous, low)
         if previous is not None:
             ratio = peak / math.ldexp(1.0, previous)
             if self.levels / 4 <= ratio <= self.levels:
-                return previous
-        e = max(fitting_exponent(peak, self.levels), MIN_EXPONENT)
+                return max(previous, low)
+        e = max(fitting_exponent(peak, self.levels), low)
         if e > MAX_EXPONENT:
             raise ValueError(f"grid quantizer: {name!r} has a step of {peak:g}, too large")
         return e
 
-    def quantize(self, round_: int, steps: Mapping[str, torch.Tensor]) -> CountSegment:
-        """The round's update (without a rebase) for the desired ``steps``.
+    def quantize(
+        self,
+        round_: int,
+        steps: Mapping[str, torch.Tensor],
+        floors: Mapping[str, int] | None = None,
+    ) -> CountSegment:
+        """The round's update (without a rebase) for the desired ``steps``; ``floors``: the
+        smallest exponent per tensor (none: ``MIN_EXPONENT``).
 
         Raises
         ------
@@ -110,7 +117,8 @@ class GridQuantizer:
                 bound = float(x.std(unbiased=False)) * self.clip_sigma
                 if bound > 0:
                     fitted = x.clamp(-bound, bound)
-            e = self._exponent(name, float(fitted.abs().max()) if x.numel() else 0.0)
+            peak = float(fitted.abs().max()) if x.numel() else 0.0
+            e = self._exponent(name, peak, None if floors is None else floors.get(name))
             residual = self.residuals.get(name)
             wanted = x if residual is None else x + residual
             scaled = (wanted.to(torch.float64) * math.ldexp(1.0, -e)).clamp(
