@@ -17,7 +17,9 @@ feedback without a residual). It keeps the last ``update_log_size`` encoded delt
 node that holds a recent version receives only the deltas it misses (the training and
 evaluation messages of one round share one delta); a new node, one further behind, or one
 whose last reply failed gets the whole broadcast model. The first round is therefore full
-size.
+size. With ``downlink="grid"`` (:mod:`fedddl.flower.delta_grid`) the broadcast model lives on
+an integer grid and a node gets one message of summed integer counts, whatever it missed.
+Resyncs a node causes are rate-limited (``resync_interval``).
 
 **Uplink.** The mod encodes each reply's model as ``reply - broadcast model`` (with a
 client-side residual memory for error feedback); the wrapper decodes it and adds it to
@@ -254,9 +256,9 @@ class TernaryDelta(Strategy):
                     self.assume_mod or node in self._modded
                 )
                 held = -1 if node in self._whole else self.admission.held(node)
-                held = self.admission.reach_from(
-                    node, server_round, held, self.version, self.broadcast.costly(held)
-                )
+                costly = whole or self.broadcast.costly(held)
+                reach = self.admission.reach_from(node, server_round, held, self.version, costly)
+                whole, held = whole and reach == held, reach  # held back: the latest update
                 message.content = self.broadcast.content_for(held, message.content, key, whole)
                 (self._whole.add if whole else self._whole.discard)(node)
                 self.admission.nodes.sent(node, self.version, self.compressor)
