@@ -129,3 +129,9 @@ def test_the_quantizer_floors_the_exponent() -> None:
     assert floored.units["w"] == -10
     zero = GridQuantizer(1, 0).quantize(1, {"w": torch.zeros(4)}, floors={"w": -7})
     assert zero.units["w"] == -7
+
+
+def test_the_quantizer_rounds_to_nearest_when_asked() -> None:
+    step = {"w": torch.tensor([0.4, 0.6, -0.6, 1.0, -0.1])}
+    nearest = GridQuantizer(1, 0, stochastic=False).quantize(1, step)
+    assert nearest.units["w"] == 0 and nearest.deltas["w"].tolist() == [0, 1, -1, 1, 0]

@@ -135,7 +135,9 @@ class DeltaBroadcast:
         self.layout, self.others, self.exact = layout, target.others, target.floats
         grid = self._grid
         if fresh or grid is None:
-            grid = GridDownlink(self.grid_levels, self.grid_log_size, self.seed, self.version)
+            grid = GridDownlink(
+                self.grid_levels, self.grid_log_size, self.seed, self.version, self.clip_sigma
+            )
         try:
             floats = grid.advance(target.floats)
         except ValueError as err:
@@ -143,7 +145,9 @@ class DeltaBroadcast:
                 log(logging.WARNING, "TernaryDelta keeps the broadcast model: %s", err)
                 return
             log(logging.WARNING, "TernaryDelta sends the whole model: %s", err)
-            grid = GridDownlink(self.grid_levels, self.grid_log_size, self.seed, self.version + 1)
+            grid = GridDownlink(
+                self.grid_levels, self.grid_log_size, self.seed, self.version + 1, self.clip_sigma
+            )
             floats = {n: t.clone() for n, t in target.floats.items()}
         self._grid = grid
         self.names, self.floats = target.names, floats

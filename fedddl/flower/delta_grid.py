@@ -32,10 +32,15 @@ class GridDownlink:
         As :class:`~fedddl.sync.grid_follower.GridFollower`.
     start : int
         The broadcast version before this layout's first model.
+    clip_sigma : float
+        Each step's exponent fits the step clipped to this many standard deviations (what
+        the codes cannot carry waits in the residual); steps round to the nearest code.
     """
 
-    def __init__(self, levels: int, log_size: int, seed: int, start: int) -> None:
-        self.follower = GridFollower(levels, log_size, seed, start=start)
+    def __init__(
+        self, levels: int, log_size: int, seed: int, start: int, clip_sigma: float
+    ) -> None:
+        self.follower = GridFollower(levels, log_size, seed, start=start, clip_sigma=clip_sigma)
         self.layout: GridLayout | None = None
 
     @property

@@ -6,9 +6,11 @@ state that every holder has without a message. The first target goes onto the gr
 :data:`INITIAL_BITS` bits a tensor (rounded to nearest); each later target ``t`` moves it by
 one :class:`~fedddl.sync.grid_quantizer.GridQuantizer` step: the step ``t - previous target``
 with the residual ``previous target - value``, so what is quantized is the whole gap
-``t - value`` and nothing is lost over rounds; the exponent follows the step, at least
-:data:`PRECISION_BITS` below the tensor's peak (the counts stay bounded). Each update goes
-into a :class:`~fedddl.sync.grid_log.GridLog`.
+``t - value`` and nothing is lost over rounds; the exponent follows the step (optionally
+clipped), at least :data:`PRECISION_BITS` below the tensor's peak (the counts stay bounded),
+and codes round to the nearest by default: stochastic rounding would add noise that clients
+training from the broadcast feed back into the target. Each update goes into a
+:class:`~fedddl.sync.grid_log.GridLog`.
 
 :meth:`GridFollower.catch_up` gives a holder at version ``v`` one count-delta message
 (:mod:`fedddl.compression.codecs.counts`): the log's summed counts since ``v``, or the counts
@@ -69,12 +71,25 @@ class GridFollower:
         Seeds the quantizer's stochastic rounding.
     start : int
         The version before the first target (versions up to it are another model's).
+    stochastic, clip_sigma : bool, float or None
+        The quantizer's rounding and clipping (:class:`~fedddl.sync.grid_quantizer.GridQuantizer`).
     """
 
-    def __init__(self, levels: int = 1, log_size: int = 64, seed: int = 0, start: int = 0) -> None:
+    def __init__(
+        self,
+        levels: int = 1,
+        log_size: int = 64,
+        seed: int = 0,
+        start: int = 0,
+        *,
+        stochastic: bool = False,
+        clip_sigma: float | None = None,
+    ) -> None:
         if start < 0:
             raise ValueError(f"grid follower: start must be >= 0, got {start}")
-        self.quantizer = GridQuantizer(levels, seed, error_feedback=True)
+        self.quantizer = GridQuantizer(
+            levels, seed, clip_sigma, error_feedback=True, stochastic=stochastic
+        )
         self.log = GridLog(log_size, version=start + 1)
         self.state: GridState | None = None
         self.start = start

@@ -55,6 +55,9 @@ class GridQuantizer:
         Fit the exponent to each step clipped to this many standard deviations.
     error_feedback:
         Keep what the codes did not carry and add it to the next round's step.
+    stochastic:
+        Round stochastically (``E[c] = y``); False: to the nearest integer (contractive:
+        what a code does not carry waits in the residual, no noise is added).
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class GridQuantizer:
         clip_sigma: float | None = None,
         *,
         error_feedback: bool = True,
+        stochastic: bool = True,
     ) -> None:
         if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127:
             raise ValueError(f"levels must be an int in [1, 127], got {levels!r}")
@@ -73,6 +77,7 @@ class GridQuantizer:
         self.seed = seed
         self.clip_sigma = clip_sigma
         self.error_feedback = bool(error_feedback)
+        self.stochastic = bool(stochastic)
         #: Name -> the error-feedback residual (float32).
         self.residuals: dict[str, torch.Tensor] = {}
         #: Name -> last round's exponent.
@@ -124,10 +129,13 @@ class GridQuantizer:
             scaled = (wanted.to(torch.float64) * math.ldexp(1.0, -e)).clamp(
                 -self.levels, self.levels
             )
-            low = torch.floor(scaled)
-            generator = torch.Generator().manual_seed(derive_seed(self.seed, round_, index))
-            uniform = torch.rand(scaled.shape, generator=generator, dtype=torch.float64)
-            code = low + (uniform < scaled - low).to(torch.float64)
+            if self.stochastic:
+                low = torch.floor(scaled)
+                generator = torch.Generator().manual_seed(derive_seed(self.seed, round_, index))
+                uniform = torch.rand(scaled.shape, generator=generator, dtype=torch.float64)
+                code = low + (uniform < scaled - low).to(torch.float64)
+            else:
+                code = torch.round(scaled)
             if self.error_feedback:
                 self.residuals[name] = wanted - code.to(torch.float32) * math.ldexp(1.0, e)
             self.exponents[name] = e
