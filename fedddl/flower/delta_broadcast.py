@@ -24,7 +24,7 @@ from flwr.common.logger import log
 from fedddl.compression import decode_update, encode_update, limits_for, make_compressor
 from fedddl.flower.delta_admission import Layout, layout_of
 from fedddl.flower.delta_grid import GridDownlink
-from fedddl.flower.delta_grid_protocol import GRID, GRID_LAYOUT
+from fedddl.flower.delta_grid_protocol import GRID, GRID_LAYOUT, GridLayout
 from fedddl.flower.delta_protocol import (
     META,
     UPDATES,
@@ -191,8 +191,17 @@ class DeltaBroadcast:
         if delta:
             updates = {update_key(v): bytes_to_array(p) for v, p in catch_up.updates}
             out[UPDATES] = ArrayRecord(updates)  # type: ignore[arg-type]
+        rebuild = self.whole_rebuilds_grid() if self.downlink == "grid" else None
+        if rebuild is not None:
+            out[GRID_LAYOUT] = rebuild.to_record()
         out[META] = self._meta(key, held if delta else -1)
         return out
+
+    def whole_rebuilds_grid(self) -> GridLayout | None:
+        """``grid``: the layout (with units) a whole model lets a client rebuild its grid
+        state from, if it can."""
+        grid = self._grid
+        return None if grid is None or not grid.ready else grid.whole_layout()
 
     def _grid_content(self, held: int, content: RecordDict, key: str) -> RecordDict:
         """:meth:`content_for` of the ``grid`` downlink: one count message."""

@@ -11,6 +11,7 @@ The broadcast model is the grid's float32 values in each array's own dtype.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -67,6 +68,20 @@ class GridDownlink:
         assert self.layout is not None
         dtypes = self.layout.dtypes
         return {n: v.to(dtypes[n]) for n, v in self.follower.values().items()}
+
+    def whole_layout(self) -> GridLayout | None:
+        """The layout with the units a client rebuilds the grid state from, given the whole
+        model; None when it cannot (a rebase made the anchors non-zero, or a float16 array
+        does not hold the float32 values exactly)."""
+        follower, layout = self.follower, self.layout
+        if follower.state is None or follower.rebased or layout is None:
+            return None
+        if any(d not in (torch.float32, torch.float64) for d in layout.dtypes.values()):
+            return None
+        units = follower.state.units()
+        if any(u is None for u in units.values()):
+            return None
+        return replace(layout, units={n: int(u) for n, u in units.items() if u is not None})
 
     def message(self, held: int) -> tuple[int, ArrayRecord]:
         """``(base, GRID record)`` for a node holding version ``held`` (-1: none)."""

@@ -8,10 +8,13 @@ plus its counts (:data:`STATE_GRID`, :data:`STATE_GRID_LAYOUT`), which rebuild i
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
+from fedddl.compression.codecs.count_delta import MAX_COUNT, MAX_EXPONENT, MIN_EXPONENT
 from fedddl.flower.delta_grid_protocol import (
     ANCHORS_KEY,
     COUNTS_KEY,
@@ -24,7 +27,14 @@ from fedddl.flower.records import array_to_bytes, bytes_to_array, pack_tensors, 
 from fedddl.sync.grid import GridError, GridState
 from fedddl.sync.grid_holder import load_state, reach, state_counts
 
-__all__ = ["STATE_GRID", "STATE_GRID_LAYOUT", "forget_grid", "reach_grid", "save_grid"]
+__all__ = [
+    "STATE_GRID",
+    "STATE_GRID_LAYOUT",
+    "forget_grid",
+    "reach_grid",
+    "rebuild_grid",
+    "save_grid",
+]
 
 #: ``context.state`` records: the anchors (packed) and counts, and the anchors' layout.
 STATE_GRID = "fedddl.ternary.grid"
@@ -62,6 +72,37 @@ def reach_grid(
     values = reached.values()
     floats = {n: values[n].to(layout.dtypes[n]) for n in layout.shapes}
     return SplitModel(broadcast.names, floats, received.others), reached
+
+
+def rebuild_grid(content: RecordDict, floats: dict[str, torch.Tensor]) -> GridState | None:
+    """The grid state a whole model ``floats`` is (zero anchors, the message's units), or None
+    when the message names no units.
+
+    Raises
+    ------
+    GridError
+        Units that do not fit (a value that is not ``counts * 2**unit`` exactly).
+    """
+    layout = parse_grid_layout(content)
+    if layout.units is None:
+        return None
+    if list(layout.shapes) != [n for n in floats if n in layout.shapes] or set(
+        layout.shapes
+    ) != set(floats):
+        raise GridError("the grid layout does not name the model's float arrays")
+    state = GridState({n: torch.zeros(s, dtype=torch.float32) for n, s in layout.shapes.items()})
+    for name, tensor in state.tensors.items():
+        unit = layout.units[name]
+        if not MIN_EXPONENT <= unit <= MAX_EXPONENT:
+            raise GridError(f"{name!r}: unit {unit} out of range")
+        value = floats[name].to(torch.float32)
+        counts = torch.round(value.to(torch.float64) * math.ldexp(1.0, -unit))
+        if counts.numel() and float(counts.abs().max()) > MAX_COUNT:
+            raise GridError(f"{name!r}: counts beyond {MAX_COUNT}")
+        tensor.counts, tensor.unit = counts.to(torch.int32), unit
+        if not torch.equal(tensor.value(), value) or tuple(value.shape) != tensor.anchor.shape:
+            raise GridError(f"{name!r} is not on the grid of unit {unit}")
+    return state
 
 
 def _anchors(grid: ArrayRecord, layout: GridLayout) -> dict[str, torch.Tensor]:

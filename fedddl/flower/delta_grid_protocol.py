@@ -27,20 +27,26 @@ _DTYPES = {"float16": torch.float16, "float32": torch.float32, "float64": torch.
 
 @dataclass(frozen=True)
 class GridLayout:
-    """The grid tensors: name -> shape, and name -> dtype (what the model's array holds)."""
+    """The grid tensors: name -> shape, and name -> dtype (what the model's array holds);
+    with a whole model, ``units``: each tensor's unit exponent, from which a client rebuilds
+    the grid state (zero anchors: counts = value / 2**unit)."""
 
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, torch.dtype]
+    units: dict[str, int] | None = None
 
     def to_record(self) -> ConfigRecord:
         """As the :data:`GRID_LAYOUT` ConfigRecord."""
-        return ConfigRecord(
+        record = ConfigRecord(
             {
                 "names": list(self.shapes),
                 "shapes": [",".join(str(d) for d in s) for s in self.shapes.values()],
                 "dtypes": [str(self.dtypes[n]).removeprefix("torch.") for n in self.shapes],
             }
         )
+        if self.units is not None:
+            record["units"] = [self.units[n] for n in self.shapes]
+        return record
 
 
 def _strings(record: ConfigRecord, key: str) -> list[str]:
@@ -76,7 +82,17 @@ def parse_grid_layout(content: RecordDict) -> GridLayout:
         raise ValueError(f"{GRID_LAYOUT}: names, shapes and dtypes do not match")
     if any(d not in _DTYPES for d in dtypes):
         raise ValueError(f"{GRID_LAYOUT}: dtypes {dtypes} are not all float16/32/64")
+    units = record.get("units")
+    if units is not None and not (
+        isinstance(units, list)
+        and len(units) == len(names)
+        and all(isinstance(u, int) and not isinstance(u, bool) for u in units)
+    ):
+        raise ValueError(f"{GRID_LAYOUT} key 'units' must be one int per tensor")
     return GridLayout(
         {n: _shape(s) for n, s in zip(names, shapes, strict=True)},
         {n: _DTYPES[d] for n, d in zip(names, dtypes, strict=True)},
+        None
+        if units is None
+        else {n: int(u) for n, u in zip(names, units, strict=True) if isinstance(u, int)},
     )

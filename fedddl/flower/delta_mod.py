@@ -36,7 +36,7 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode
 
 from fedddl.compression import ResidualMemory, encode_update, make_compressor
-from fedddl.flower.delta_grid_mod import forget_grid, reach_grid, save_grid
+from fedddl.flower.delta_grid_mod import forget_grid, reach_grid, rebuild_grid, save_grid
 from fedddl.flower.delta_grid_protocol import GRID, GRID_LAYOUT
 from fedddl.flower.delta_protocol import (
     DELTA,
@@ -157,6 +157,10 @@ def _reach(broadcast: Broadcast, content: RecordDict, state: RecordDict) -> Spli
         model = SplitModel(broadcast.names, floats, received.others)
     if digest(model.floats) != broadcast.digest:
         raise BroadcastError(f"the model at version {broadcast.version} fails its digest check")
+    if broadcast.base == -1 and GRID_LAYOUT in content:  # a whole model on the grid
+        rebuilt = rebuild_grid(content, model.floats)
+        if rebuilt is not None:
+            save_grid(state, rebuilt, broadcast.version)
     return model
 
 

@@ -260,7 +260,8 @@ class TernaryDelta(Strategy):
                 reach = self.admission.reach_from(node, server_round, held, self.version, costly)
                 whole, held = whole and reach == held, reach  # held back: the latest update
                 message.content = self.broadcast.content_for(held, message.content, key, whole)
-                (self._whole.add if whole else self._whole.discard)(node)
+                rebuilt = whole and self.broadcast.whole_rebuilds_grid() is not None
+                (self._whole.add if whole and not rebuilt else self._whole.discard)(node)
                 self.admission.nodes.sent(node, self.version, self.compressor)
             out.append(message)
         return out
