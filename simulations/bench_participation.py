@@ -2,10 +2,13 @@
 
 Runs ``--clients`` digits clients (stratified shards) for ``--rounds`` rounds at each
 fraction of ``--fractions`` with TernGrad (``reternarize`` downlink), TernGrad (``grid``
-downlink, one run per value of ``--grid-levels``), GradientAverage and FedAvg, on the inline
-engine (:mod:`fedddl.flower.inline_grid`), every other setting at its default. It prints per
-run the mean bytes up and down a round after round 5, their ratios to FedAvg's at the same
-fraction (total and down), the final accuracy and the runtime.
+downlink, one run per value of ``--grid-levels``), GradientAverage, FedAvg, and FedAvg
+wrapped in ``TernaryDelta`` (its ternary-delta downlink, and its ``grid`` downlink per value
+of ``--grid-levels``, by default and with ``assume_mod`` ("all mod"); clients with
+``ternary_mod``: :mod:`simulations.ternary_delta_app`), on
+the inline engine (:mod:`fedddl.flower.inline_grid`), every other setting at its default.
+It prints per run the mean bytes up and down a round after round 5, their ratios to
+FedAvg's at the same fraction (total and down), the final accuracy and the runtime.
 
     python -m simulations.bench_participation
 """
@@ -21,7 +24,12 @@ _RUNS = (
     ("TernGrad (reternarize)", "terngrad", "reternarize"),
     ("GradientAverage", "gradient-average", "reternarize"),
     ("FedAvg", "fedavg", "reternarize"),
+    ("TernaryDelta+FedAvg (delta)", "ternary-delta", "reternarize"),
 )
+_TERNARY_DELTA = {
+    "ternary-delta": "simulations.ternary_delta_app:TernaryDeltaFedAvg",
+    "ternary-delta-all-mod": "simulations.ternary_delta_app:TernaryDeltaFedAvgAllMod",
+}
 _SKIP = 5
 
 
@@ -31,11 +39,13 @@ def _run(
     from clients.client_app import make_client_app
     from fedddl.app_config import AppConfig
     from fedddl.flower.inline_grid import InlineGrid
+    from simulations.ternary_delta_app import make_delta_client_app
     from strategies.server_app import run_server
 
+    delta = strategy in _TERNARY_DELTA
     cfg = AppConfig(
         dataset="digits",
-        strategy=strategy,
+        strategy=_TERNARY_DELTA.get(strategy, strategy),
         downlink=downlink,
         grid_levels=levels,
         num_server_rounds=args.rounds,
@@ -44,7 +54,8 @@ def _run(
         eval_every=args.rounds,
         seed=seed,
     )
-    grid = InlineGrid(make_client_app(cfg), args.clients)
+    app = make_delta_client_app(cfg) if delta else make_client_app(cfg)
+    grid = InlineGrid(app, args.clients)
     return run_server(grid, cfg, progress=lambda _: None)
 
 
@@ -73,11 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(v) for v in args.grid_levels.split(",")]
     runs = [(label, strategy, downlink, 1) for label, strategy, downlink in _RUNS]
     runs[1:1] = [(f"TernGrad (grid, L={v})", "terngrad", "grid", v) for v in levels]
+    for v in levels:
+        runs.append((f"TernaryDelta+FedAvg (grid, L={v})", "ternary-delta", "grid", v))
+        runs.append((f"TernaryDelta+FedAvg (grid, L={v}, all mod)", "ternary-delta-all-mod",
+                     "grid", v))  # fmt: skip
     if args.only:
         wanted = args.only.split(",")
         runs = [r for r in runs if any(w in r[0] for w in wanted) or r[0] == "FedAvg"]
     head = (
-        f"{'fraction':>8}  {'strategy':<24} {'up B/rd':>10} {'down B/rd':>10} "
+        f"{'fraction':>8}  {'strategy':<40} {'up B/rd':>10} {'down B/rd':>10} "
         f"{'total/FedAvg':>12} {'down/FedAvg':>11} {'accuracy':>8} {'time s':>7}"
     )
     print(f"{args.clients} clients, digits, {args.rounds} rounds, seeds {seeds}, inline engine;")
@@ -100,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, up, down, accuracy, spent in rows:
             total = (up + down) / (base[0] + base[1])
             print(
-                f"{fraction:>8.2f}  {label:<24} {up:>10.0f} {down:>10.0f} {total:>12.3f} "
+                f"{fraction:>8.2f}  {label:<40} {up:>10.0f} {down:>10.0f} {total:>12.3f} "
                 f"{down / base[1]:>11.3f} {accuracy:>8.4f} {spent:>7.1f}",
                 flush=True,
             )

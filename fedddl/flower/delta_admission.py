@@ -145,12 +145,17 @@ class DeltaAdmission:
     ----------
     scale_bound : ScaleBound
         The bound on the delta scales (its history spans the run).
+    resync_interval : int
+        A node whose reply lost the server's track of it (an error, no reply, a refused
+        reply, another version) is resynced at most once every this many rounds
+        (:class:`~fedddl.sync.resync_limit.ResyncLimiter`; 0: no limit).
     """
 
-    def __init__(self, scale_bound: ScaleBound) -> None:
+    def __init__(self, scale_bound: ScaleBound, resync_interval: int = 0) -> None:
         self.nodes = NodeBook(unknown_version=-1)
         self.scale_bound = scale_bound
-        self._admission = ReplyAdmission(self.nodes, ResyncLimiter(0))
+        self.resyncs = ResyncLimiter(resync_interval)
+        self._admission = ReplyAdmission(self.nodes, self.resyncs)
         self._specs: dict[tuple[object, ...], PayloadSpec] = {}
 
     def held(self, node: int) -> int:
@@ -158,8 +163,23 @@ class DeltaAdmission:
         return self.nodes.known_version(node)
 
     def forget(self, node: int) -> None:
-        """``node`` may not hold a broadcast model: send it the whole model next time."""
+        """``node`` may not hold a broadcast model: send it the whole model next time (a
+        resync it caused, rate-limited)."""
         self.nodes.version[node] = -1
+        self.resyncs.unreadable(node)
+
+    def reach_from(
+        self, node: int, server_round: int, held: int, current: int, costly: bool
+    ) -> int:
+        """The version to send ``node`` the catch-up to ``current`` from: ``held``, or,
+        while its resyncs are held back and that catch-up is ``costly``, ``current - 1``
+        (the latest update, all an honest node that holds it needs)."""
+        if not costly:
+            return held
+        if self.resyncs.holds_back(node, server_round):
+            return current - 1
+        self.resyncs.served(node, server_round)
+        return held
 
     def admit(
         self,
@@ -218,6 +238,7 @@ class DeltaAdmission:
                 f"node {node} answers version {reply.model_version}, the server sent {expected}"
             )
         self.nodes.learn(reply, error)
+        self.resyncs.learn(node, error)
         if error is not None:
             self.refuse(report, node, error)
         return error is None

@@ -11,6 +11,10 @@ The broadcast model keeps the dtypes of the first global model it was sent: when
 wrapped strategy returns its model in another float dtype (FedAdam and QFedAvg turn float32
 into float64), the deltas are cast to the broadcast model's dtypes and the nodes keep
 receiving deltas; only another layout (names, shapes, integer arrays) starts anew.
+
+With ``downlink="grid"`` the float arrays live on an integer grid instead
+(:class:`~fedddl.flower.delta_grid.GridDownlink`): each node gets one message of summed
+integer counts, never a whole fp32 model (a model the grid cannot take is sent whole once).
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ import logging
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from flwr.common.logger import log
 
 from fedddl.compression import decode_update, encode_update, limits_for, make_compressor
 from fedddl.flower.delta_admission import Layout, layout_of
+from fedddl.flower.delta_grid import GridDownlink
+from fedddl.flower.delta_grid_protocol import GRID, GRID_LAYOUT, GridLayout
 from fedddl.flower.delta_protocol import (
     META,
     UPDATES,
@@ -38,7 +44,10 @@ from fedddl.flower.records import bytes_to_array
 from fedddl.replica import CatchUp, UpdateLog, plan_catch_up
 from fedddl.seeding import derive_seed
 
-__all__ = ["DeltaBroadcast"]
+__all__ = ["DOWNLINKS", "DeltaBroadcast"]
+
+#: The downlink modes: ternary deltas with a log of them, the integer grid, whole models.
+DOWNLINKS = ("delta", "grid", "none")
 
 
 class DeltaBroadcast:
@@ -48,6 +57,8 @@ class DeltaBroadcast:
     ----------
     version : int
         Deltas and whole models broadcast so far (0: none yet).
+    downlink : str
+        One of :data:`DOWNLINKS`.
     names, floats, others, exact, layout
         The broadcast model (array names in order, float tensors, other Arrays), the exact
         global model's float tensors, and the global model's layout.
@@ -58,12 +69,18 @@ class DeltaBroadcast:
         compressor: str,
         clip_sigma: float,
         error_feedback: bool,
-        downlink: bool,
+        downlink: str,
         update_log_size: int,
         seed: int,
+        grid_levels: int = 1,
+        grid_log_size: int = 64,
     ) -> None:
+        if downlink not in DOWNLINKS:
+            raise ValueError(f"downlink must be one of {DOWNLINKS}, got {downlink!r}")
         self.compressor, self.clip_sigma, self.seed = compressor, float(clip_sigma), seed
         self.error_feedback, self.downlink = error_feedback, downlink
+        self.grid_levels, self.grid_log_size = grid_levels, grid_log_size
+        self._grid: GridDownlink | None = None
         self.version = 0
         self.names: list[str] = []
         self.floats: dict[str, torch.Tensor] = {}
@@ -88,7 +105,10 @@ class DeltaBroadcast:
             return  # e.g. the evaluation and the next training of one global model
         self._target = fingerprint
         layout = layout_of(arrays)
-        fresh = not self.downlink or not self._follows(target, layout)
+        if self.downlink == "grid":
+            self._advance_grid(target, layout, not self.names or layout != self.layout)
+            return
+        fresh = self.downlink == "none" or not self._follows(target, layout)
         self.layout, self.others, self.exact = layout, target.others, target.floats
         if not fresh:
             # the whole gap: what earlier deltas could not carry is part of it
@@ -130,12 +150,53 @@ class DeltaBroadcast:
             for n in self.names
         )
 
-    def content_for(self, held: int, content: RecordDict, key: str) -> RecordDict:
+    def _advance_grid(self, target: SplitModel, layout: Layout, fresh: bool) -> None:
+        """:meth:`advance` of the ``grid`` downlink; a model the grid cannot take leaves the
+        broadcast model as it is (or, with none yet, is sent whole)."""
+        self.layout, self.others, self.exact = layout, target.others, target.floats
+        grid = self._grid
+        if fresh or grid is None:
+            grid = GridDownlink(
+                self.grid_levels, self.grid_log_size, self.seed, self.version, self.clip_sigma
+            )
+        try:
+            floats = grid.advance(target.floats)
+        except ValueError as err:
+            if not fresh and grid.ready:
+                log(logging.WARNING, "TernaryDelta keeps the broadcast model: %s", err)
+                return
+            log(logging.WARNING, "TernaryDelta sends the whole model: %s", err)
+            grid = GridDownlink(
+                self.grid_levels, self.grid_log_size, self.seed, self.version + 1, self.clip_sigma
+            )
+            floats = {n: t.clone() for n, t in target.floats.items()}
+        self._grid = grid
+        self.names, self.floats = target.names, floats
+        self.version += 1
+        self._digest = digest(self.floats)
+
+    def costly(self, held: int) -> bool:
+        """Whether a node holding ``held`` needs a resync: more than the latest update."""
+        if held != self.version - 1 or self.downlink == "none":
+            return held != self.version
+        if self.downlink == "grid":
+            return self._grid is None or not self._grid.ready or self._grid.message(held)[0] < 1
+        return plan_catch_up(held, self.version, self._log).kind == "snapshot"
+
+    def content_for(
+        self, held: int, content: RecordDict, key: str, whole: bool = False
+    ) -> RecordDict:
         """``content`` with its model record ``key`` replaced by what a node that holds
-        version ``held`` (-1: none) needs, and the :data:`META` record."""
+        version ``held`` (-1: none) needs (``whole``: the whole model), and the :data:`META`
+        record."""
+        if not -1 <= held <= self.version:
+            held = -1  # a version never broadcast: the node holds nothing usable
+        grid = self._grid
+        if self.downlink == "grid" and grid is not None and grid.ready and not whole:
+            return self._grid_content(held, content, key)
         catch_up = (
             plan_catch_up(held, self.version, self._log)
-            if self.downlink
+            if self.downlink == "delta" and not whole
             else CatchUp("snapshot", [])
         )
         delta = catch_up.kind != "snapshot"
@@ -151,18 +212,42 @@ class DeltaBroadcast:
         if delta:
             updates = {update_key(v): bytes_to_array(p) for v, p in catch_up.updates}
             out[UPDATES] = ArrayRecord(updates)  # type: ignore[arg-type]
-        out[META] = Broadcast(
+        rebuild = self.whole_rebuilds_grid() if self.downlink == "grid" else None
+        if rebuild is not None:
+            out[GRID_LAYOUT] = rebuild.to_record()
+        out[META] = self._meta(key, held if delta else -1)
+        return out
+
+    def whole_rebuilds_grid(self) -> GridLayout | None:
+        """``grid``: the layout (with units) a whole model lets a client rebuild its grid
+        state from, if it can."""
+        grid = self._grid
+        return None if grid is None or not grid.ready else grid.whole_layout()
+
+    def _grid_content(self, held: int, content: RecordDict, key: str) -> RecordDict:
+        """:meth:`content_for` of the ``grid`` downlink: one count message."""
+        assert self._grid is not None and self._grid.layout is not None
+        base, record = self._grid.message(held)
+        out = RecordDict()
+        for name, found in content.items():
+            out[name] = ArrayRecord(dict(self.others)) if name == key else found  # type: ignore[arg-type]
+        out[GRID] = record
+        out[GRID_LAYOUT] = self._grid.layout.to_record()
+        out[META] = self._meta(key, base)
+        return out
+
+    def _meta(self, key: str, base: int) -> ConfigRecord:
+        return Broadcast(
             record=key,
             names=list(self.names),
             version=self.version,
-            base=held if delta else -1,
+            base=base,
             digest=self._digest,
             compressor=self.compressor,
             clip_sigma=self.clip_sigma,
             error_feedback=self.error_feedback,
             seed=self.seed,
         ).to_record()
-        return out
 
 
 def _fingerprint(model: SplitModel) -> str:

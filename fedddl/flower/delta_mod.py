@@ -10,7 +10,8 @@ and wrap the server's strategy in :class:`fedddl.flower.TernaryDelta`. On a mess
 that the wrapper compressed (:mod:`fedddl.flower.delta_protocol`), the mod
 
 1. brings the broadcast model it keeps in ``context.state`` to the message's version
-   (applying the ternary updates, or taking the whole model), checks its digest, and
+   (applying the ternary updates, taking the whole model, or, with the ``grid`` downlink,
+   applying one count message: :mod:`fedddl.flower.delta_grid_mod`), checks its digest, and
    hands the app the message as the strategy built it, with the whole model;
 2. encodes the app's reply model as ``reply - broadcast model`` with the ternary
    compressor the server names and error feedback (the residual is kept in
@@ -40,6 +41,8 @@ from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 
 from fedddl.compression import ResidualMemory, encode_update, make_compressor
+from fedddl.flower.delta_grid_mod import forget_grid, reach_grid, rebuild_grid, save_grid
+from fedddl.flower.delta_grid_protocol import GRID, GRID_LAYOUT
 from fedddl.flower.delta_protocol import (
     DELTA,
     DELTA_KEY,
@@ -107,11 +110,12 @@ def ternary_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Me
         reason = f"ternary_mod: cannot apply the broadcast model: {err}"
         log(_WARNING, reason)
         return Message(Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=reason), reply_to=msg)
-    _save_model(ctxt.state, broadcast.version, model.floats)
+    if GRID not in msg.content:  # the grid's state is saved by _reach
+        _save_model(ctxt.state, broadcast.version, model.floats)
 
     content = RecordDict()
     for name, record in msg.content.items():
-        if name in (META, UPDATES):
+        if name in (META, UPDATES, GRID, GRID_LAYOUT):
             continue
         if name == broadcast.record:
             record = join_model(model.names, model.floats, model.others)
@@ -126,6 +130,14 @@ def ternary_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Me
 
 def _reach(broadcast: Broadcast, content: RecordDict, state: RecordDict) -> SplitModel:
     """The broadcast model at ``broadcast.version`` (float tensors, other Arrays)."""
+    if GRID in content:
+        model, grid = reach_grid(broadcast, content, state)
+        if digest(model.floats) != broadcast.digest:
+            raise BroadcastError(
+                f"the model at version {broadcast.version} fails its digest check"
+            )
+        save_grid(state, grid, broadcast.version)
+        return model
     record = content[broadcast.record]
     assert isinstance(record, ArrayRecord)  # parse_broadcast checked it
     received = split_model(record)
@@ -159,6 +171,10 @@ def _reach(broadcast: Broadcast, content: RecordDict, state: RecordDict) -> Spli
         model = SplitModel(broadcast.names, floats, received.others)
     if digest(model.floats) != broadcast.digest:
         raise BroadcastError(f"the model at version {broadcast.version} fails its digest check")
+    if broadcast.base == -1 and GRID_LAYOUT in content:  # a whole model on the grid
+        rebuilt = rebuild_grid(content, model.floats)
+        if rebuilt is not None:
+            save_grid(state, rebuilt, broadcast.version)
     return model
 
 
@@ -331,3 +347,4 @@ def _forget(state: RecordDict) -> None:
     for key in (STATE_MODEL, STATE_MODEL_LAYOUT, STATE_META):
         if key in state:
             del state[key]
+    forget_grid(state)

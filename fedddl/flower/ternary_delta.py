@@ -17,7 +17,9 @@ feedback without a residual). It keeps the last ``update_log_size`` encoded delt
 node that holds a recent version receives only the deltas it misses (the training and
 evaluation messages of one round share one delta); a new node, one further behind, or one
 whose last reply failed gets the whole broadcast model. The first round is therefore full
-size.
+size. With ``downlink="grid"`` (:mod:`fedddl.flower.delta_grid`) the broadcast model lives on
+an integer grid and a node gets one message of summed integer counts, whatever it missed.
+Resyncs a node causes are rate-limited (``resync_interval``).
 
 **Uplink.** The mod encodes each reply's model as ``reply - broadcast model`` (with a
 client-side residual memory for error feedback); the wrapper decodes it and adds it to
@@ -71,7 +73,8 @@ from fedddl.flower.delta_admission import (
     layout_of,
     parse_delta_reply,
 )
-from fedddl.flower.delta_broadcast import DeltaBroadcast
+from fedddl.flower.delta_broadcast import DOWNLINKS, DeltaBroadcast
+from fedddl.flower.delta_grid_protocol import GRID
 from fedddl.flower.delta_protocol import (
     DELTA,
     FLOAT_DTYPES,
@@ -83,6 +86,7 @@ from fedddl.flower.delta_protocol import (
 )
 from fedddl.flower.delta_traffic import Notices, Traffic, array_bytes, with_traffic
 from fedddl.sync.errors import PayloadRejected, ReplyError
+from fedddl.sync.grid_log import MAX_CAPACITY
 from fedddl.sync.messages import ClientReply, ParseFailure
 from fedddl.sync.report import RoundReport
 from fedddl.sync.scale_bound import ScaleBound
@@ -109,11 +113,26 @@ class TernaryDelta(Strategy):
     error_feedback : bool
         Residual memory on each client for the uplink (what a delta could not carry is
         sent later); the downlink corrects its error by construction.
-    downlink : bool
-        Send deltas of the global model to nodes that hold the previous broadcast
-        (``False``: every message carries the whole, exact global model).
+    downlink : bool or str
+        ``"delta"`` (or ``True``): send deltas of the global model to nodes that hold a
+        recent broadcast; ``"grid"``: the broadcast model lives on an integer grid and
+        every node gets one message of summed integer counts, never a whole fp32 model
+        (:mod:`fedddl.flower.delta_grid`); ``"none"`` (or ``False``): every message carries
+        the whole, exact global model.
     update_log_size : int
-        Encoded downlink deltas kept for nodes that missed rounds.
+        Encoded downlink deltas kept for nodes that missed rounds (``"delta"``).
+    grid_levels, grid_log_size : int
+        ``"grid"``: a version's codes lie in ``[-grid_levels, grid_levels]`` (1 to 127);
+        versions kept for catch-ups (1 to 2**20).
+    assume_mod : bool
+        ``"grid"``: every node runs ``ternary_mod``, so a node's first message is already a
+        grid message. By default a node gets the whole model until it has answered once
+        with the mod's record (a node without the mod could not read a grid message).
+    resync_interval : int
+        A node that made the server lose track of what it holds (an error or no reply, a
+        refused reply, another version) is resynced at most once every this many rounds,
+        doubling while it keeps failing (:class:`~fedddl.sync.resync_limit.ResyncLimiter`;
+        0: no limit).
     scale_bound, scale_bound_action, scale_bound_rounds : float, str, int
         The bound on each reply's delta scales (:class:`~fedddl.sync.scale_bound.ScaleBound`:
         ``factor`` × the median of this round's and the last ``rounds`` rounds' scales;
@@ -131,8 +150,12 @@ class TernaryDelta(Strategy):
         compressor: str = "ternary-threshold-base3",
         clip_sigma: float = 2.5,
         error_feedback: bool = True,
-        downlink: bool = True,
+        downlink: bool | str = True,
         update_log_size: int = 4,
+        grid_levels: int = 1,
+        grid_log_size: int = 64,
+        assume_mod: bool = False,
+        resync_interval: int = 30,
         scale_bound: float = 8.0,
         scale_bound_action: str = "drop",
         scale_bound_rounds: int = 0,
@@ -146,16 +169,18 @@ class TernaryDelta(Strategy):
         if not clip_sigma > 0:
             raise ValueError(f"clip_sigma must be > 0, got {clip_sigma}")
         make_compressor(compressor, seed=0, clip_sigma=clip_sigma)  # unknown name: ValueError
+        mode = _downlink_mode(downlink, grid_levels, grid_log_size, resync_interval)
         self.strategy = strategy
         self.compressor = compressor
         self.clip_sigma = float(clip_sigma)
         self.error_feedback = error_feedback
-        self.downlink = downlink
+        self.downlink = mode
         self.update_log_size = update_log_size
         self.seed = seed
         self.broadcast = DeltaBroadcast(
-            compressor, clip_sigma, error_feedback, downlink, update_log_size, seed
-        )
+            compressor, clip_sigma, error_feedback, mode, update_log_size, seed,
+            grid_levels=grid_levels, grid_log_size=grid_log_size,
+        )  # fmt: skip
         #: Dropped replies by the kind of error; clipped replies by node; the rounds whose
         #: aggregate was not finite; the last exchange's report.
         self.dropped: dict[str, int] = {}
@@ -163,7 +188,7 @@ class TernaryDelta(Strategy):
         self.skipped: list[int] = []
         self.last_report: RoundReport | None = None
         self.admission = DeltaAdmission(
-            ScaleBound(scale_bound, scale_bound_action, scale_bound_rounds)
+            ScaleBound(scale_bound, scale_bound_action, scale_bound_rounds), resync_interval
         )
         #: What was sent and saved over the run (each exchange's counts are in the
         #: aggregated metrics); the plain notices.
@@ -172,13 +197,16 @@ class TernaryDelta(Strategy):
         self._exchange = Traffic()
         self._plain: set[int] = set()
         self._known: set[int] = set()
+        self.assume_mod = assume_mod
+        self._modded: set[int] = set()  # nodes that answered with the mod's record
+        self._whole: set[int] = set()  # nodes whose last message was the whole model
         self._sent: dict[int, tuple[Message, str, Layout]] = {}
 
     def __repr__(self) -> str:
         """Name and settings."""
         return (
             f"TernaryDelta({self.strategy!r}, compressor={self.compressor!r}, "
-            f"downlink={self.downlink}, error_feedback={self.error_feedback})"
+            f"downlink={self.downlink!r}, error_feedback={self.error_feedback})"
         )
 
     def summary(self) -> None:
@@ -197,7 +225,7 @@ class TernaryDelta(Strategy):
     ) -> Iterable[Message]:
         """The wrapped strategy's messages, with the model as deltas where possible."""
         messages = self.strategy.configure_train(server_round, arrays, config, grid)
-        return self._outgoing(messages, arrays)
+        return self._outgoing(messages, arrays, server_round)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -221,7 +249,7 @@ class TernaryDelta(Strategy):
     ) -> Iterable[Message]:
         """The wrapped strategy's messages, with the model as deltas where possible."""
         messages = self.strategy.configure_evaluate(server_round, arrays, config, grid)
-        return self._outgoing(messages, arrays)
+        return self._outgoing(messages, arrays, server_round)
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
@@ -250,7 +278,9 @@ class TernaryDelta(Strategy):
         """The model the nodes hold (the last broadcast), as an ArrayRecord."""
         return self.broadcast.model()
 
-    def _outgoing(self, messages: Iterable[Message], arrays: ArrayRecord) -> list[Message]:
+    def _outgoing(
+        self, messages: Iterable[Message], arrays: ArrayRecord, server_round: int
+    ) -> list[Message]:
         self._exchange = Traffic()
         out = []
         layout: Layout | None = None
@@ -264,23 +294,29 @@ class TernaryDelta(Strategy):
                 continue
             layout = layout_of(arrays) if layout is None else layout
             self._sent[node] = (message, key, layout)
-            whole = array_bytes(message.content[key])
+            whole_bytes = array_bytes(message.content[key])
             if node in self._plain:
-                self._exchange.down(False, whole, whole)
+                self._exchange.down(False, whole_bytes, whole_bytes)
                 self.notices.note(node, "no-mod", _NO_MOD)
                 out.append(message)
                 continue
             self.broadcast.advance(arrays)
-            held = self.admission.held(node)
-            message.content = self.broadcast.content_for(held, message.content, key)
+            whole = self.downlink == "grid" and not (self.assume_mod or node in self._modded)
+            held = -1 if node in self._whole else self.admission.held(node)
+            costly = whole or self.broadcast.costly(held)
+            reach = self.admission.reach_from(node, server_round, held, self.version, costly)
+            whole, held = whole and reach == held, reach  # held back: the latest update
+            message.content = self.broadcast.content_for(held, message.content, key, whole)
+            rebuilt = whole and self.broadcast.whole_rebuilds_grid() is not None
+            (self._whole.add if whole and not rebuilt else self._whole.discard)(node)
             self.admission.nodes.sent(node, self.version, self.compressor)
-            self._note_down(node, held, message.content, key, whole)
+            self._note_down(node, held, message.content, key, whole_bytes)
             out.append(message)
         return out
 
     def _note_down(self, node: int, held: int, content: RecordDict, key: str, whole: int) -> None:
         """Count a message to a node with the mod; say why when it carries the whole model."""
-        sent = array_bytes(content[key], content.get(UPDATES))
+        sent = array_bytes(content[key], content.get(UPDATES), content.get(GRID))
         meta = content[META]
         compressed = isinstance(meta, ConfigRecord) and meta.get("base", -1) != -1
         self._exchange.down(compressed, whole, sent)
@@ -289,7 +325,7 @@ class TernaryDelta(Strategy):
         if compressed:
             return
         behind = self.version - held
-        if not self.downlink:
+        if self.downlink == "none":
             reason, text = "downlink-off", "got the whole model: downlink=False"
         elif not known:
             reason, text = "new", "got the whole model: first message (no broadcast model yet)"
@@ -342,6 +378,7 @@ class TernaryDelta(Strategy):
                     self._plain.add(node)
                     self.admission.forget(node)
                 continue
+            self._modded.add(node)
             parsed = parse_delta_reply(node, content, others)
             meta = parsed.meta
             position[node] = (
@@ -468,6 +505,26 @@ def _restored(
         wide = torch.promote_types(tensor.dtype, UPLINK_DTYPE)
         out[name] = (tensor.to(wide) + delta[name].to(wide)).to(dtype)
     return out
+
+
+def _downlink_mode(
+    downlink: bool | str, grid_levels: int, grid_log_size: int, resync_interval: int
+) -> str:
+    """The downlink mode of :class:`TernaryDelta`'s settings (checked)."""
+    mode = ("delta" if downlink else "none") if isinstance(downlink, bool) else downlink
+    if mode not in DOWNLINKS:
+        raise ValueError(
+            f"downlink must be True, False or one of {', '.join(DOWNLINKS)}, got {downlink!r}"
+        )
+    for name, value, most in (("grid_levels", grid_levels, 127),
+                              ("grid_log_size", grid_log_size, MAX_CAPACITY)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+            raise ValueError(f"{name} must be an int in [1, {most}], got {value!r}")
+    if isinstance(resync_interval, bool) or not isinstance(resync_interval, int) or (
+        resync_interval < 0
+    ):
+        raise ValueError(f"resync_interval must be an int >= 0, got {resync_interval!r}")
+    return str(mode)
 
 
 def _without_ours(reply: Message, record: str | None, model: ArrayRecord | None) -> Message:

@@ -55,6 +55,9 @@ class GridQuantizer:
         Fit the exponent to each step clipped to this many standard deviations.
     error_feedback:
         Keep what the codes did not carry and add it to the next round's step.
+    stochastic:
+        Round stochastically (``E[c] = y``); False: to the nearest integer (contractive:
+        what a code does not carry waits in the residual, no noise is added).
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class GridQuantizer:
         clip_sigma: float | None = None,
         *,
         error_feedback: bool = True,
+        stochastic: bool = True,
     ) -> None:
         if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127:
             raise ValueError(f"levels must be an int in [1, 127], got {levels!r}")
@@ -73,26 +77,34 @@ class GridQuantizer:
         self.seed = seed
         self.clip_sigma = clip_sigma
         self.error_feedback = bool(error_feedback)
+        self.stochastic = bool(stochastic)
         #: Name -> the error-feedback residual (float32).
         self.residuals: dict[str, torch.Tensor] = {}
         #: Name -> last round's exponent.
         self.exponents: dict[str, int] = {}
 
-    def _exponent(self, name: str, peak: float) -> int:
+    def _exponent(self, name: str, peak: float, floor: int | None) -> int:
         previous = self.exponents.get(name)
+        low = MIN_EXPONENT if floor is None else min(max(floor, MIN_EXPONENT), MAX_EXPONENT)
         if peak == 0.0:
-            return 0 if previous is None else previous
+            return (0 if floor is None else low) if previous is None else max(previous, low)
         if previous is not None:
             ratio = peak / math.ldexp(1.0, previous)
             if self.levels / 4 <= ratio <= self.levels:
-                return previous
-        e = max(fitting_exponent(peak, self.levels), MIN_EXPONENT)
+                return max(previous, low)
+        e = max(fitting_exponent(peak, self.levels), low)
         if e > MAX_EXPONENT:
             raise ValueError(f"grid quantizer: {name!r} has a step of {peak:g}, too large")
         return e
 
-    def quantize(self, round_: int, steps: Mapping[str, torch.Tensor]) -> CountSegment:
-        """The round's update (without a rebase) for the desired ``steps``.
+    def quantize(
+        self,
+        round_: int,
+        steps: Mapping[str, torch.Tensor],
+        floors: Mapping[str, int] | None = None,
+    ) -> CountSegment:
+        """The round's update (without a rebase) for the desired ``steps``; ``floors``: the
+        smallest exponent per tensor (none: ``MIN_EXPONENT``).
 
         Raises
         ------
@@ -110,16 +122,20 @@ class GridQuantizer:
                 bound = float(x.std(unbiased=False)) * self.clip_sigma
                 if bound > 0:
                     fitted = x.clamp(-bound, bound)
-            e = self._exponent(name, float(fitted.abs().max()) if x.numel() else 0.0)
+            peak = float(fitted.abs().max()) if x.numel() else 0.0
+            e = self._exponent(name, peak, None if floors is None else floors.get(name))
             residual = self.residuals.get(name)
             wanted = x if residual is None else x + residual
             scaled = (wanted.to(torch.float64) * math.ldexp(1.0, -e)).clamp(
                 -self.levels, self.levels
             )
-            low = torch.floor(scaled)
-            generator = torch.Generator().manual_seed(derive_seed(self.seed, round_, index))
-            uniform = torch.rand(scaled.shape, generator=generator, dtype=torch.float64)
-            code = low + (uniform < scaled - low).to(torch.float64)
+            if self.stochastic:
+                low = torch.floor(scaled)
+                generator = torch.Generator().manual_seed(derive_seed(self.seed, round_, index))
+                uniform = torch.rand(scaled.shape, generator=generator, dtype=torch.float64)
+                code = low + (uniform < scaled - low).to(torch.float64)
+            else:
+                code = torch.round(scaled)
             if self.error_feedback:
                 self.residuals[name] = wanted - code.to(torch.float32) * math.ldexp(1.0, e)
             self.exponents[name] = e
