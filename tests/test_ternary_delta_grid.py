@@ -158,6 +158,10 @@ def test_sampled_clients_hold_the_broadcast_model_bit_for_bit() -> None:
     late = [m for m in sent if m["round"] > 1 and m["base"] is not None and m["base"] >= 1]
     assert any(m["version"] - m["base"] > 2 for m in late)
     assert all(m["counts"] is not None for m in sent)
+    # the traffic metrics count every count message as compressed, its GRID record's bytes sent
+    traffic = strategy.traffic
+    assert traffic.down_plain == 0 and traffic.down_compressed == len(sent)
+    assert 0 < traffic.down_bytes and traffic.down_saved > 3 * traffic.down_bytes
     # the broadcast model trails the exact FedAvg model by the grid's rounding only
     exact = split_model(result.arrays).floats
     gap = torch.cat([(exact[n] - server[n]).reshape(-1).float() for n in exact])
