@@ -232,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the simulation; exit code 0 on success, 2 on a bad configuration."""
     from fedddl.app_config import AppConfig
     from fedddl.flower.simulation import run as simulate
+    from fedddl.partition import PartitionError
 
     try:
         cfg = AppConfig(
@@ -299,6 +300,9 @@ def run(args: argparse.Namespace) -> int:
             out=args.out or None,
             progress=progress,
         )
+    except PartitionError as err:
+        print(f"fedddl simulate: {err}", file=sys.stderr)
+        return 2
     finally:
         if progress is not None:
             progress.close()
