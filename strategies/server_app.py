@@ -139,6 +139,7 @@ def run_server(
     config = cfg.to_run_config()
     config["num-clients"] = len(list(grid.get_node_ids()))
     config["strategy-class"] = f"{type(strategy).__module__}.{type(strategy).__qualname__}"
+    config["resolved-downlink"] = cfg.resolved_downlink
     result: dict[str, Any] = {
         "config": config,
         "initial": recorder.initial,

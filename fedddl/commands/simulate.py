@@ -87,9 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--downlink",
-        default="reternarize",
-        choices=("reternarize", "shared-scale-sum", "grid"),
-        help="how the server encodes the aggregate it broadcasts",
+        default="auto",
+        choices=("auto", "reternarize", "shared-scale-sum", "grid"),
+        help="how the server encodes the aggregate it broadcasts (auto: grid for TernGrad "
+        "with --fraction-train < 1, else reternarize)",
     )
     parser.add_argument(
         "--clip-sigma",

@@ -93,7 +93,10 @@ class ReplicaServer:
         hooks: ServerHooks | None = None,
     ) -> None:
         if downlink not in DOWNLINKS:
-            raise ValueError(f"downlink must be one of {', '.join(DOWNLINKS)}, got {downlink!r}")
+            hint = " (resolve 'auto': AppConfig.resolved_downlink)" if downlink == "auto" else ""
+            raise ValueError(
+                f"downlink must be one of {', '.join(DOWNLINKS)}, got {downlink!r}{hint}"
+            )
         if min_replies < 1:
             raise ValueError(f"min_replies must be >= 1, got {min_replies}")
         if fp32_warmup_rounds < 0:
