@@ -99,8 +99,7 @@ class AppConfig:
         client gets one count-delta message however far behind it is
         (:mod:`fedddl.sync.grid_shadow`). In grid mode ``fp32-min-numel`` and
         ``fp32-logits`` apply to the uplink only (every parameter is on the grid), the
-        downlink log is ``grid-log-size`` rounds (not ``update-log-size``) and
-        ``checkpoint-every`` must be 0.
+        downlink log is ``grid-log-size`` rounds (not ``update-log-size``).
     grid_levels : int
         Grid downlink: the codes of a round lie in ``[-grid-levels, grid-levels]`` (1:
         ternary), 1 to 127.
@@ -278,11 +277,6 @@ class AppConfig:
             raise ValueError(f"grid-levels must be in [1, 127], got {self.grid_levels}")
         if not 1 <= self.grid_log_size <= 2**20:
             raise ValueError(f"grid-log-size must be in [1, 2**20], got {self.grid_log_size}")
-        if self.resolved_downlink == "grid" and self.checkpoint_every > 0:
-            raise ValueError(
-                f"checkpoint-every > 0 is not supported with downlink = 'grid' (downlink = "
-                f"{self.downlink!r}; set checkpoint-every = 0 or downlink = 'reternarize')"
-            )
         if self.min_available_nodes < 1:
             raise ValueError(f"min-available-nodes must be >= 1, got {self.min_available_nodes}")
         if self.min_replies < 1:

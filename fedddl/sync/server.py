@@ -301,23 +301,35 @@ class ReplicaServer:
     # ------------------------------------------------------------- checkpoints
     def checkpoint(self, server_round: int, config: dict[str, object]) -> ServerCheckpoint:
         """Capture the server state after global round ``server_round`` (config: the run's)."""
+        extra = {"scale_bound": self.scale_bound.state()}
+        if isinstance(self.replica, GridShadow):
+            return self.replica.checkpoint(
+                server_round, config, memory=self.broadcast.memory, owner=self._owner(), extra=extra
+            )
         return self.replica.checkpoint(
             server_round,
             config,
             memory=self.broadcast.memory,
             shared_scales=self.shared_scales,
             owner=self._owner(),
-            extra={"scale_bound": self.scale_bound.state()},
+            extra=extra,
         )
 
     def restore(self, ckpt: ServerCheckpoint) -> None:
         """Continue from ``ckpt``; raises ``CheckpointError`` and changes nothing if it does
         not fit. The server then knows no client: each node's first message is a snapshot."""
-        restored = self.replica.load(ckpt, self._owner())
-        self.scale_bound = load_scale_bound(ckpt, self._new_scale_bound())
-        self.replica.adopt(restored, ckpt)
-        self.broadcast.memory = restored.memory
-        self.broadcast.shared_scales = restored.shared_scales
+        if isinstance(self.replica, GridShadow):
+            grid = self.replica.load(ckpt, self._owner())
+            self.scale_bound = load_scale_bound(ckpt, self._new_scale_bound())
+            self.replica.adopt(grid, ckpt)
+            memory, scales = grid.memory, None
+        else:
+            restored = self.replica.load(ckpt, self._owner())
+            self.scale_bound = load_scale_bound(ckpt, self._new_scale_bound())
+            self.replica.adopt(restored, ckpt)
+            memory, scales = restored.memory, restored.shared_scales
+        self.broadcast.memory = memory
+        self.broadcast.shared_scales = scales
         self.round_offset = ckpt.round
         self.planner.forget()
 
