@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from clients.client_app import make_client_app
 from fedddl.app_config import AppConfig
+from fedddl.checkpoint import CheckpointError
 from fedddl.downlink_choice import resolve_downlink
 from fedddl.flower.inline_grid import InlineGrid
 from strategies.server_app import run_server
@@ -65,3 +67,27 @@ def test_a_full_participation_run_by_default_is_the_reternarize_run() -> None:
     assert "grid" not in {r["downlink_format"] for r in auto["rounds"]}
     assert [r["bytes_down"] for r in auto["rounds"]] == [r["bytes_down"] for r in usual["rounds"]]
     assert auto["final_fingerprint"] == usual["final_fingerprint"] is not None
+
+
+def test_a_resume_compares_the_downlink_the_runs_use(tmp_path: Path) -> None:
+    def run(path: str, rounds: int, **settings: Any) -> dict[str, Any]:
+        cfg = AppConfig(
+            dataset="digits",
+            num_server_rounds=rounds,
+            min_available_nodes=10,
+            checkpoint_dir=str(tmp_path / path),
+            checkpoint_every=2,
+            **settings,
+        )
+        return run_server(InlineGrid(make_client_app(cfg), 10), cfg, progress=lambda _: None)
+
+    # saved as "reternarize" at full participation: "auto" means the same
+    run("a", 2, downlink="reternarize")
+    assert run("a", 3)["resumed_from"]["round"] == 2
+    # saved as "grid" with clients sampled: "auto" means the same
+    run("b", 2, downlink="grid", fraction_train=0.5)
+    assert run("b", 3, fraction_train=0.5)["resumed_from"]["round"] == 2
+    # saved as "reternarize" with clients sampled: "auto" would switch to the grid
+    run("c", 2, downlink="reternarize", fraction_train=0.5)
+    with pytest.raises(CheckpointError, match="downlink: checkpoint 'reternarize', run 'grid'"):
+        run("c", 3, fraction_train=0.5)

@@ -3,8 +3,8 @@
 :class:`ReplicaServer` runs each round through a catch-up planner (:mod:`~.catch_up`),
 reply admission (:mod:`~.admission`), aggregation and downlink (:mod:`~.broadcast`) and the
 shadow replica with its checkpoints (:mod:`~.shadow`; with ``downlink = "grid"`` the
-grid shadow of :mod:`~.grid_shadow`, which applies momentum itself and has no
-checkpoints, and the broadcast encoder is not used). Its override points
+grid shadow of :mod:`~.grid_shadow`, which applies momentum itself and checkpoints through
+:mod:`~.grid_checkpoints`, and the broadcast encoder is not used). Its override points
 (:class:`~fedddl.sync.hooks.ServerHooks`) are looked up on ``hooks`` (default: itself) at
 each use. Client input never ends the server: a bad reply is dropped with its reason; a
 round that cannot be combined, encoded or applied, or has fewer than ``min_replies``
