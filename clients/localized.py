@@ -40,7 +40,7 @@ def compute_reply(message: Message, context: Context, cfg: AppConfig) -> ClientR
     where = cfg.client_snapshot_dir
     snapshot_dir = None if where in ("auto", "state") else Path(where)
     state: WorkerState
-    if cfg.downlink == "grid":
+    if cfg.resolved_downlink == "grid":
         state = load_grid_state(context.state, model_fn)
     else:
         state = load_state(
@@ -63,7 +63,7 @@ def compute_reply(message: Message, context: Context, cfg: AppConfig) -> ClientR
         model_fn=model_fn,
         cfg=cfg,
     )
-    if cfg.downlink == "grid":
+    if cfg.resolved_downlink == "grid":
         save_grid_state(context.state, state)
     else:
         save_state(context.state, state, key=key, snapshot_dir=snapshot_dir)

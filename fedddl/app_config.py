@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedddl.defenses import Defenses
 from fedddl.devices import check_device_name
+from fedddl.downlink_choice import AUTO, resolve_downlink
 from fedddl.lr_decay import StepDecay
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ _DEFENSES = Defenses()  # the defence keys' defaults are the server's
 GOSSIP_KEY_PREFIX = "gossip-"
 
 PARTITIONS: tuple[str, ...] = ("stratified", "random", "dirichlet")
-DOWNLINKS: tuple[str, ...] = ("reternarize", "shared-scale-sum", "grid")
+DOWNLINKS: tuple[str, ...] = (AUTO, "reternarize", "shared-scale-sum", "grid")
 BUILTIN_STRATEGIES: tuple[str, ...] = ("terngrad", "gradient-average", "fedavg")
 
 
@@ -90,13 +91,15 @@ class AppConfig:
     compressor : str
         Registered uplink compressor name (TernGrad); GradientAverage forces ``identity``.
     downlink : str
-        ``"reternarize"``, ``"shared-scale-sum"`` or ``"grid"``: the server applies momentum
+        ``"auto"`` (default: ``"grid"`` for TernGrad at ``fraction-train`` < 1, else
+        ``"reternarize"``; :mod:`fedddl.downlink_choice`, the choice made is
+        :attr:`resolved_downlink`), ``"reternarize"``, ``"shared-scale-sum"`` or ``"grid"``:
+        the server applies momentum
         itself and keeps every replica's trainable parameters on an integer grid; a sampled
         client gets one count-delta message however far behind it is
         (:mod:`fedddl.sync.grid_shadow`). In grid mode ``fp32-min-numel`` and
         ``fp32-logits`` apply to the uplink only (every parameter is on the grid), the
-        downlink log is ``grid-log-size`` rounds (not ``update-log-size``) and
-        ``checkpoint-every`` must be 0.
+        downlink log is ``grid-log-size`` rounds (not ``update-log-size``).
     grid_levels : int
         Grid downlink: the codes of a round lie in ``[-grid-levels, grid-levels]`` (1:
         ternary), 1 to 127.
@@ -203,7 +206,7 @@ class AppConfig:
     local_steps: int = 1
     fraction_train: float = 1.0
     compressor: str = "ternary-base3"
-    downlink: str = "reternarize"
+    downlink: str = AUTO
     clip_sigma: float = 2.5
     error_feedback: bool = False
     fp32_min_numel: int = 0
@@ -280,11 +283,6 @@ class AppConfig:
             raise ValueError(f"grid-levels must be in [1, 127], got {self.grid_levels}")
         if not 1 <= self.grid_log_size <= 2**20:
             raise ValueError(f"grid-log-size must be in [1, 2**20], got {self.grid_log_size}")
-        if self.downlink == "grid" and self.checkpoint_every > 0:
-            raise ValueError(
-                "checkpoint-every > 0 is not supported with downlink = 'grid' "
-                "(set checkpoint-every = 0 or another downlink)"
-            )
         if self.min_available_nodes < 1:
             raise ValueError(f"min-available-nodes must be >= 1, got {self.min_available_nodes}")
         if self.min_replies < 1:
@@ -338,6 +336,14 @@ class AppConfig:
                 raise ValueError(_unknown_key_message(key, by_key))
             kwargs[f.name] = _coerce(key, value, f.default)
         return cls(**kwargs)
+
+    @property
+    def resolved_downlink(self) -> str:
+        """The downlink this run uses: ``downlink``, with ``"auto"`` resolved
+        (:func:`fedddl.downlink_choice.resolve_downlink`)."""
+        return resolve_downlink(
+            self.downlink, strategy=self.strategy, fraction_train=self.fraction_train
+        )
 
     def updated(self, run_config: Mapping[str, Any]) -> AppConfig:
         """Return a copy with the kebab-case keys of ``run_config`` applied (any field).

@@ -19,6 +19,8 @@ from numpy.typing import ArrayLike
 
 __all__ = [
     "PARTITION_METHODS",
+    "PartitionError",
+    "check_shardable",
     "dirichlet_shards",
     "make_shards",
     "random_shards",
@@ -29,6 +31,11 @@ __all__ = [
 PARTITION_METHODS: tuple[str, ...] = ("stratified", "random", "dirichlet")
 _KL_EPSILON = 1e-10
 _FEATURE_CHUNK_ROWS = 8192
+
+
+class PartitionError(ValueError):
+    """A split the labels cannot give: more shards than samples, or (stratified) than the
+    smallest class has samples."""
 
 
 def __getattr__(name: str) -> Any:
@@ -58,8 +65,45 @@ def _check_num_shards(num_shards: int, num_samples: int) -> int:
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     if num_shards > num_samples:
-        raise ValueError(f"num_shards={num_shards} exceeds the number of samples ({num_samples})")
+        raise PartitionError(
+            f"num_shards={num_shards} exceeds the number of samples ({num_samples})"
+        )
     return int(num_shards)
+
+
+def _check_stratifiable(y: np.ndarray, k: int) -> None:
+    classes, counts = np.unique(y, return_counts=True)
+    smallest = int(counts.min())
+    if k > smallest:
+        rare = classes[counts.argmin()]
+        raise PartitionError(
+            f"num_shards={k} exceeds the smallest class count ({smallest} samples of class "
+            f"{rare}); a stratified split needs every class in every shard: use at most "
+            f"{smallest} shards, or partition = \"random\" (or \"dirichlet\")"
+        )
+
+
+def check_shardable(method: str, labels: ArrayLike, num_shards: int) -> None:
+    """Raise unless ``make_shards(method, labels, num_shards)`` can split ``labels``.
+
+    Raises
+    ------
+    PartitionError
+        If ``num_shards`` exceeds the sample count, or for ``"stratified"`` the smallest
+        class count (the message names both numbers and the way out).
+    ValueError
+        On an unknown method, labels that are empty or not 1-D, or ``num_shards`` < 1.
+    TypeError
+        If ``num_shards`` is not an int.
+    """
+    if method not in PARTITION_METHODS:
+        raise ValueError(
+            f"unknown partition method {method!r}; expected one of {', '.join(PARTITION_METHODS)}"
+        )
+    y = _check_labels(labels)
+    k = _check_num_shards(num_shards, y.size)
+    if method == "stratified":
+        _check_stratifiable(y, k)
 
 
 def _sorted(shards: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -76,19 +120,12 @@ def stratified_shards(labels: ArrayLike, num_shards: int, *, seed: int = 0) -> l
     Raises
     ------
     ValueError
-        If labels are empty or not 1-D, or ``num_shards`` is < 1 or exceeds the smallest
-        class count.
+        If labels are empty or not 1-D, or ``num_shards`` is < 1; a ``PartitionError`` if it
+        exceeds the smallest class count.
     """
     y = _check_labels(labels)
     k = _check_num_shards(num_shards, y.size)
-    classes, counts = np.unique(y, return_counts=True)
-    smallest = int(counts.min())
-    if k > smallest:
-        rare = classes[counts.argmin()]
-        raise ValueError(
-            f"num_shards={k} exceeds the smallest class count ({smallest} samples of class "
-            f"{rare}); a stratified split needs every class in every shard"
-        )
+    _check_stratifiable(y, k)
     if k == 1:  # StratifiedKFold needs >= 2 folds; one shard is everything.
         return [np.arange(y.size, dtype=np.int64)]
     from sklearn.model_selection import StratifiedKFold

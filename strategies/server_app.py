@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from logging import INFO
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 
 from fedddl.app_config import AppConfig
+from fedddl.downlink_choice import resolve_downlink
 from strategies.replica_strategy import ReplicaStrategy
 
 __all__ = [
@@ -139,6 +140,7 @@ def run_server(
     config = cfg.to_run_config()
     config["num-clients"] = len(list(grid.get_node_ids()))
     config["strategy-class"] = f"{type(strategy).__module__}.{type(strategy).__qualname__}"
+    config["resolved-downlink"] = cfg.resolved_downlink
     result: dict[str, Any] = {
         "config": config,
         "initial": recorder.initial,
@@ -224,11 +226,30 @@ def _resume(
             f"cannot resume {type(strategy).__name__} from {path}: only TernGrad-family "
             "strategies (a ReplicaStrategy) are checkpointed"
         )
-    ckpt.check_config(cfg.to_run_config(), RESUME_CHECK_KEYS, AppConfig().to_run_config())
+    saved = dataclasses.replace(ckpt, config=_downlink_resolved(ckpt.config))
+    saved.check_config(
+        _downlink_resolved(cfg.to_run_config()),
+        RESUME_CHECK_KEYS,
+        _downlink_resolved(AppConfig().to_run_config()),
+    )
     replica.restore(ckpt)
     log(INFO, "fedddl: resumed from %s (round %d, version %d)", path, ckpt.round, ckpt.version)
     resumed = {"round": ckpt.round, "version": ckpt.version, "path": str(path)}
     return resumed, ckpt.run_id or new_run_id()
+
+
+def _downlink_resolved(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with ``downlink`` as the run resolves it (``"auto"`` and the value it
+    stands for compare equal on resume)."""
+    out = dict(config)
+    fraction = out.get("fraction-train", AppConfig.fraction_train)
+    if isinstance(out.get("downlink"), str) and isinstance(fraction, (int, float)):
+        out["downlink"] = resolve_downlink(
+            out["downlink"],
+            strategy=str(out.get("strategy", AppConfig.strategy)),
+            fraction_train=float(fraction),
+        )
+    return out
 
 
 def _checkpoint_saver(

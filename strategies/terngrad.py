@@ -100,7 +100,7 @@ class TernGrad(Strategy):
             lr_decay=cfg.lr_decay(),
             compressor=cfg.compressor,
             clip_sigma=cfg.clip_sigma,
-            downlink=cfg.downlink,
+            downlink=cfg.resolved_downlink,
             fraction_train=cfg.fraction_train,
             min_available_nodes=cfg.min_available_nodes,
             min_replies=cfg.min_replies,

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from fedddl.cli import main
 from fedddl.partition import (
+    PartitionError,
+    check_shardable,
     dirichlet_shards,
     make_shards,
     random_shards,
@@ -182,3 +184,26 @@ def test_partition_command_json_and_table(capsys: pytest.CaptureFixture[str]) ->
 def test_partition_command_reports_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["partition", "--num-shards", "1000"]) == 2
     assert "smallest class count" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_check_shardable_agrees_with_make_shards(
+    method: str, imbalanced_labels: np.ndarray
+) -> None:
+    limit = 50 if method == "stratified" else imbalanced_labels.size
+    check_shardable(method, imbalanced_labels, limit)
+    assert len(make_shards(method, imbalanced_labels, limit)) == limit
+    with pytest.raises(PartitionError):
+        check_shardable(method, imbalanced_labels, limit + 1)
+    with pytest.raises(PartitionError):
+        make_shards(method, imbalanced_labels, limit + 1)
+
+
+def test_a_stratified_split_too_fine_names_the_numbers_and_the_way_out(
+    imbalanced_labels: np.ndarray,
+) -> None:
+    with pytest.raises(PartitionError) as caught:
+        check_shardable("stratified", imbalanced_labels, 51)
+    message = str(caught.value)
+    assert "num_shards=51" in message and "50 samples of class 4" in message
+    assert 'partition = "random"' in message and "at most 50 shards" in message

@@ -139,3 +139,19 @@ def test_bad_run_config_names_the_problem_without_running(
 ) -> None:
     assert main(["simulate", "--run-config", run_config]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_stratified_split_finer_than_a_class_is_refused_before_the_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # digits' training split has 131 samples of its rarest class (8)
+    args = ["simulate", "--engine", "inline", "--num-clients", "132", "--rounds", "1"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "digits training set (1347 samples) over 132 clients" in err
+    assert "131 samples of class 8" in err and 'partition = "random"' in err
+    from fedddl.flower.simulation import run
+    from fedddl.partition import PartitionError
+
+    with pytest.raises(PartitionError, match="over 1000 clients"):
+        run(AppConfig(num_server_rounds=1), num_clients=1000, engine="ray")

@@ -56,7 +56,7 @@ class Cluster:
             learning_rate=self.cfg.learning_rate,
             momentum=self.cfg.momentum,
             compressor=self.cfg.compressor,
-            downlink=self.cfg.downlink,
+            downlink=self.cfg.resolved_downlink,
             update_log_size=self.cfg.update_log_size,
             min_replies=self.cfg.min_replies,
             defenses=self.cfg.defenses(),

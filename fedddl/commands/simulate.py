@@ -87,9 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--downlink",
-        default="reternarize",
-        choices=("reternarize", "shared-scale-sum", "grid"),
-        help="how the server encodes the aggregate it broadcasts",
+        default="auto",
+        choices=("auto", "reternarize", "shared-scale-sum", "grid"),
+        help="how the server encodes the aggregate it broadcasts (auto: grid for TernGrad "
+        "with --fraction-train < 1, else reternarize)",
     )
     parser.add_argument(
         "--clip-sigma",
@@ -239,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the simulation; exit code 0 on success, 2 on a bad configuration."""
     from fedddl.app_config import AppConfig
     from fedddl.flower.simulation import run as simulate
+    from fedddl.partition import PartitionError
 
     try:
         cfg = AppConfig(
@@ -307,6 +309,9 @@ def run(args: argparse.Namespace) -> int:
             out=args.out or None,
             progress=progress,
         )
+    except PartitionError as err:
+        print(f"fedddl simulate: {err}", file=sys.stderr)
+        return 2
     finally:
         if progress is not None:
             progress.close()

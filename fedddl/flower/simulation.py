@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from fedddl.app_config import AppConfig
+from fedddl.partition_check import check_run_partition
 
 __all__ = ["ENGINES", "ray_failed_to_start", "run"]
 
@@ -190,7 +191,9 @@ def run(
     Raises
     ------
     ValueError
-        On a bad configuration, an unknown ``engine`` or ``num_clients`` < 1.
+        On a bad configuration, an unknown ``engine`` or ``num_clients`` < 1; a
+        ``fedddl.partition.PartitionError`` before anything runs if ``partition`` cannot
+        split the training set over ``num_clients``.
     RuntimeError
         If the simulation ended without results (the ServerApp failed).
     """
@@ -201,6 +204,7 @@ def run(
         raise ValueError(f"num_clients must be >= 1, got {num_clients}")
     if num_clients < cfg.min_available_nodes:
         cfg = cfg.replace(min_available_nodes=num_clients)
+    check_run_partition(cfg, num_clients)
     for key, value in _OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
     if num_gpus_per_client is None:

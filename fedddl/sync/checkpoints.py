@@ -25,7 +25,16 @@ from fedddl.compression.codecs.downlink import decode_broadcast
 from fedddl.replica import Replica, ReplicaError, UpdateLog
 from fedddl.sync.scale_bound import ScaleBound
 
-__all__ = ["PLAUSIBLE_GROWTH", "Restored", "capture", "load", "load_scale_bound"]
+__all__ = [
+    "PLAUSIBLE_GROWTH",
+    "Restored",
+    "capture",
+    "check_finite",
+    "check_like_params",
+    "check_plausible",
+    "load",
+    "load_scale_bound",
+]
 
 #: A checkpoint's parameter may be at most this many times larger (largest magnitude)
 #: than the same parameter of the server's current model, floored at 1: training moves
@@ -112,9 +121,9 @@ def load(
         )
     params = {n: p for n, p in shadow.model.named_parameters() if p.requires_grad}
     names = list(param_names) if param_names is not None else list(params)
-    _check_finite(ckpt.model_state, "model weight")
-    _check_plausible(ckpt.model_state, params)
-    _check_like_params(memory, params, "server_memory residual")
+    check_finite(ckpt.model_state, "model weight")
+    check_plausible(ckpt.model_state, params)
+    check_like_params(memory, params, "server_memory residual")
     if scales is not None and (
         tuple(scales.shape) != (len(names),)
         or not bool(torch.isfinite(scales).all())
@@ -160,7 +169,8 @@ def load_scale_bound(ckpt: ServerCheckpoint, bound: ScaleBound) -> ScaleBound:
     return bound
 
 
-def _check_finite(tensors: Mapping[str, Any], what: str) -> None:
+def check_finite(tensors: Mapping[str, Any], what: str) -> None:
+    """Raise ``CheckpointError`` unless every value is a tensor, and floating ones finite."""
     for name, value in tensors.items():
         if not isinstance(value, torch.Tensor):
             raise CheckpointError(f"checkpoint {what} {name!r} is not a tensor")
@@ -168,7 +178,7 @@ def _check_finite(tensors: Mapping[str, Any], what: str) -> None:
             raise CheckpointError(f"checkpoint {what} {name!r} has non-finite values")
 
 
-def _check_plausible(
+def check_plausible(
     weights: Mapping[str, torch.Tensor], params: Mapping[str, torch.nn.Parameter]
 ) -> None:
     """Each saved parameter's largest magnitude within :data:`PLAUSIBLE_GROWTH` times the
@@ -188,7 +198,7 @@ def _check_plausible(
             )
 
 
-def _check_like_params(
+def check_like_params(
     tensors: Mapping[str, torch.Tensor], params: Mapping[str, torch.nn.Parameter], what: str
 ) -> None:
     """Each tensor named after a parameter, of its shape, floating and finite."""
@@ -201,7 +211,7 @@ def _check_like_params(
                 f"checkpoint {what} {name!r} is {value.dtype} {tuple(value.shape)}, the "
                 f"parameter is {tuple(param.shape)}"
             )
-    _check_finite(tensors, what)
+    check_finite(tensors, what)
 
 
 def _shadow(ckpt: ServerCheckpoint, current: Replica) -> Replica:
@@ -232,6 +242,6 @@ def _shadow(ckpt: ServerCheckpoint, current: Replica) -> Replica:
             if key != "momentum_buffer" or not isinstance(value, torch.Tensor):
                 raise CheckpointError(f"checkpoint optimizer state of {name!r} has {key!r}")
             buffers[name] = value
-    _check_like_params(buffers, params, "momentum buffer")
+    check_like_params(buffers, params, "momentum buffer")
     shadow.version = ckpt.version
     return shadow

@@ -10,7 +10,7 @@ the counts would overflow; the segment updates the server's
 shadow's buffers. A node at version ``v`` is caught up by one ``FDGU`` message (the counts
 from ``v``, and the current buffers) while the log reaches ``v`` (or ``v = 0`` and no round
 has rebased: then the counts since the seeded model), else by an ``FDGS`` snapshot.
-Checkpoints are not supported in this mode.
+Checkpoints hold all of it (:mod:`fedddl.sync.grid_checkpoints`).
 """
 
 from __future__ import annotations
@@ -18,26 +18,29 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import NoReturn
+from typing import Any
 
 import torch
 from torch import nn
 
+from fedddl.checkpoint import ServerCheckpoint
+from fedddl.compression import ResidualMemory
 from fedddl.compression.codecs.count_delta import CountDelta
 from fedddl.lr_decay import NO_DECAY, StepDecay
 from fedddl.replica import CatchUp
 from fedddl.running_stats import apply_statistics, check_statistics
+from fedddl.sync.grid_checkpoints import GridRestored
+from fedddl.sync.grid_checkpoints import capture as capture_checkpoint
+from fedddl.sync.grid_checkpoints import load as load_checkpoint
 from fedddl.sync.grid_log import GridLog
 from fedddl.sync.grid_quantizer import GridQuantizer
 from fedddl.sync.grid_replica import GridReplica
 from fedddl.sync.report import RoundReport
 
-__all__ = ["NO_CHECKPOINTS", "SNAPSHOT_KEY", "GridShadow"]
+__all__ = ["SNAPSHOT_KEY", "GridShadow"]
 
 #: The one entry of a grid snapshot in :attr:`TrainInstruction.snapshot` (a uint8 tensor).
 SNAPSHOT_KEY = "grid"
-#: Why a grid server cannot checkpoint or restore.
-NO_CHECKPOINTS = "checkpoints are not supported with downlink 'grid'"
 
 
 class GridShadow:
@@ -106,15 +109,49 @@ class GridShadow:
         report.downlink_format = "grid"
         return ""
 
-    def checkpoint(self, *args: object, **kwargs: object) -> NoReturn:
-        """Refused: :data:`NO_CHECKPOINTS`."""
-        raise ValueError(NO_CHECKPOINTS)
+    def checkpoint(
+        self,
+        server_round: int,
+        config: dict[str, object],
+        *,
+        memory: ResidualMemory,
+        owner: str,
+        extra: Mapping[str, Any],
+    ) -> ServerCheckpoint:
+        """The checkpoint after global round ``server_round``
+        (:mod:`fedddl.sync.grid_checkpoints`)."""
+        return capture_checkpoint(
+            self.replica,
+            self.log,
+            self.quantizer,
+            self.velocity,
+            rebased=self.rebased,
+            memory=memory,
+            server_round=server_round,
+            config=config,
+            owner=owner,
+            extra=extra,
+        )
 
-    def load(self, *args: object, **kwargs: object) -> NoReturn:
-        """Refused: :data:`NO_CHECKPOINTS`."""
-        raise ValueError(NO_CHECKPOINTS)
+    def load(self, ckpt: ServerCheckpoint, owner: str) -> GridRestored:
+        """``ckpt`` checked against this server, as state to :meth:`adopt` (nothing changes
+        here; raises ``CheckpointError`` if it does not fit)."""
+        return load_checkpoint(ckpt, self.replica, self.log.capacity, owner)
 
-    adopt = load
+    def adopt(self, restored: GridRestored, ckpt: ServerCheckpoint) -> None:
+        """Continue from ``restored`` (loaded from ``ckpt``): replica, log, momentum,
+        quantizer, torch's random state; fingerprints start at its version."""
+        self.replica = restored.replica
+        self.log = restored.log
+        self.velocity = dict(restored.velocity)
+        self.quantizer.residuals = dict(restored.residuals)
+        self.quantizer.exponents = dict(restored.exponents)
+        self.rebased = restored.rebased
+        self.fingerprints = OrderedDict({self.replica.version: self.replica.fingerprint()})
+        self._messages.clear()
+        rng = (ckpt.rng_states or {}).get("torch")
+        if isinstance(rng, torch.Tensor):
+            torch.set_rng_state(rng)
 
     def step(
         self, gradient: Mapping[str, torch.Tensor], statistics: Mapping[str, torch.Tensor]

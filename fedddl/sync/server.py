@@ -3,8 +3,8 @@
 :class:`ReplicaServer` runs each round through a catch-up planner (:mod:`~.catch_up`),
 reply admission (:mod:`~.admission`), aggregation and downlink (:mod:`~.broadcast`) and the
 shadow replica with its checkpoints (:mod:`~.shadow`; with ``downlink = "grid"`` the
-grid shadow of :mod:`~.grid_shadow`, which applies momentum itself and has no
-checkpoints, and the broadcast encoder is not used). Its override points
+grid shadow of :mod:`~.grid_shadow`, which applies momentum itself and checkpoints through
+:mod:`~.grid_checkpoints`, and the broadcast encoder is not used). Its override points
 (:class:`~fedddl.sync.hooks.ServerHooks`) are looked up on ``hooks`` (default: itself) at
 each use. Client input never ends the server: a bad reply is dropped with its reason; a
 round that cannot be combined, encoded or applied, or has fewer than ``min_replies``
@@ -95,7 +95,10 @@ class ReplicaServer:
         hooks: ServerHooks | None = None,
     ) -> None:
         if downlink not in DOWNLINKS:
-            raise ValueError(f"downlink must be one of {', '.join(DOWNLINKS)}, got {downlink!r}")
+            hint = " (resolve 'auto': AppConfig.resolved_downlink)" if downlink == "auto" else ""
+            raise ValueError(
+                f"downlink must be one of {', '.join(DOWNLINKS)}, got {downlink!r}{hint}"
+            )
         if min_replies < 1:
             raise ValueError(f"min_replies must be >= 1, got {min_replies}")
         if fp32_warmup_rounds < 0:
@@ -306,23 +309,35 @@ class ReplicaServer:
     # ------------------------------------------------------------- checkpoints
     def checkpoint(self, server_round: int, config: dict[str, object]) -> ServerCheckpoint:
         """Capture the server state after global round ``server_round`` (config: the run's)."""
+        extra = {"scale_bound": self.scale_bound.state()}
+        if isinstance(self.replica, GridShadow):
+            return self.replica.checkpoint(
+                server_round, config, memory=self.broadcast.memory, owner=self._owner(), extra=extra
+            )
         return self.replica.checkpoint(
             server_round,
             config,
             memory=self.broadcast.memory,
             shared_scales=self.shared_scales,
             owner=self._owner(),
-            extra={"scale_bound": self.scale_bound.state()},
+            extra=extra,
         )
 
     def restore(self, ckpt: ServerCheckpoint) -> None:
         """Continue from ``ckpt``; raises ``CheckpointError`` and changes nothing if it does
         not fit. The server then knows no client: each node's first message is a snapshot."""
-        restored = self.replica.load(ckpt, self._owner())
-        self.scale_bound = load_scale_bound(ckpt, self._new_scale_bound())
-        self.replica.adopt(restored, ckpt)
-        self.broadcast.memory = restored.memory
-        self.broadcast.shared_scales = restored.shared_scales
+        if isinstance(self.replica, GridShadow):
+            grid = self.replica.load(ckpt, self._owner())
+            self.scale_bound = load_scale_bound(ckpt, self._new_scale_bound())
+            self.replica.adopt(grid, ckpt)
+            memory, scales = grid.memory, None
+        else:
+            restored = self.replica.load(ckpt, self._owner())
+            self.scale_bound = load_scale_bound(ckpt, self._new_scale_bound())
+            self.replica.adopt(restored, ckpt)
+            memory, scales = restored.memory, restored.shared_scales
+        self.broadcast.memory = memory
+        self.broadcast.shared_scales = scales
         self.round_offset = ckpt.round
         self.planner.forget()
 

@@ -186,7 +186,7 @@ def run_instruction(
         state.compressor = instruction.compressor
     replica: Replica | GridReplica | None
     held: Replica | GridReplica | None
-    if cfg.downlink == "grid":
+    if cfg.resolved_downlink == "grid":
         state.grid = held = reach_grid_version(state.grid, instruction, model_fn)
         replica = held if held is not None and held.version == instruction.model_version else None
     else:
