@@ -161,7 +161,7 @@ def test_sampled_clients_hold_the_broadcast_model_bit_for_bit() -> None:
     # the traffic metrics count every count message as compressed, its GRID record's bytes sent
     traffic = strategy.traffic
     assert traffic.down_plain == 0 and traffic.down_compressed == len(sent)
-    assert 0 < traffic.down_bytes and traffic.down_saved > 3 * traffic.down_bytes
+    assert traffic.down_bytes > 0 and traffic.down_saved > 3 * traffic.down_bytes
     # the broadcast model trails the exact FedAvg model by the grid's rounding only
     exact = split_model(result.arrays).floats
     gap = torch.cat([(exact[n] - server[n]).reshape(-1).float() for n in exact])
