@@ -1,8 +1,8 @@
 """The downlink of :class:`~fedddl.flower.TernaryDelta`: the broadcast model and its log.
 
 :class:`DeltaBroadcast` keeps the model the nodes hold (the *broadcast model*) and moves it
-towards each new global model by one ternary-encoded delta of the whole gap (what one delta
-could not carry goes with the next). The encoded deltas are kept in an
+towards each new global model by ``steps`` ternary-encoded deltas (one version each) of the
+whole gap (what one delta could not carry goes with the next). The encoded deltas are kept in an
 :class:`~fedddl.replica.UpdateLog` and a node's message is planned by
 :func:`~fedddl.replica.plan_catch_up`, as TernGrad plans its catch-ups: the deltas a node
 misses, or the whole model when the log does not reach back far enough.
@@ -39,6 +39,9 @@ __all__ = ["DeltaBroadcast"]
 class DeltaBroadcast:
     """The broadcast model, the exact global model it follows, and the log of deltas.
 
+    ``steps`` deltas (versions) per new global model; the log keeps ``update_log_size``
+    global models' worth of them.
+
     Attributes
     ----------
     version : int
@@ -56,6 +59,7 @@ class DeltaBroadcast:
         downlink: bool,
         update_log_size: int,
         seed: int,
+        steps: int = 1,
     ) -> None:
         self.compressor, self.clip_sigma, self.seed = compressor, float(clip_sigma), seed
         self.error_feedback, self.downlink = error_feedback, downlink
@@ -67,7 +71,8 @@ class DeltaBroadcast:
         self.layout: Layout = {}
         self._digest = ""
         self._target = ""
-        self._log = UpdateLog(update_log_size)
+        self.steps = steps
+        self._log = UpdateLog(update_log_size * steps)
 
     def model(self) -> ArrayRecord | None:
         """The broadcast model as an ArrayRecord (None before the first)."""
@@ -86,28 +91,38 @@ class DeltaBroadcast:
         fresh = not self.names or layout != self.layout or not self.downlink
         self.layout, self.others, self.exact = layout, target.others, target.floats
         if not fresh:
-            # the whole gap: what earlier deltas could not carry is part of it
-            delta = {n: target.floats[n] - self.floats[n] for n in self.floats}
-            compressor = make_compressor(
-                self.compressor,
-                seed=derive_seed(self.seed, 0x5E4D, self.version + 1),
-                clip_sigma=self.clip_sigma,
-            )
-            try:
-                payload = encode_update(delta, compressor)
-            except ValueError as err:  # e.g. a non-finite model: send it whole
-                log(logging.WARNING, "TernaryDelta sends the whole model: %s", err)
-                fresh = True
-            else:
-                decoded = decode_update(payload, **limits_for(delta))  # what every client will add
-                self.floats = {n: self.floats[n] + decoded[n] for n in self.floats}
-                self._log.append(self.version + 1, payload)
+            fresh = not self._step(target.floats)
+            for _ in range(1, self.steps):  # more deltas towards the same model
+                if fresh:
+                    break
+                self.version += 1
+                fresh = not self._step(target.floats)
         if fresh:
             self.names = target.names
             self.floats = {n: t.clone() for n, t in target.floats.items()}
             self._log.clear()
         self.version += 1
         self._digest = digest(self.floats)
+
+    def _step(self, target: dict[str, torch.Tensor]) -> bool:
+        """Move the broadcast model by one encoded delta of the whole gap to ``target``
+        (what earlier deltas could not carry is part of it) as version ``version + 1``;
+        False when the gap cannot be encoded (e.g. a non-finite model)."""
+        delta = {n: target[n] - self.floats[n] for n in self.floats}
+        compressor = make_compressor(
+            self.compressor,
+            seed=derive_seed(self.seed, 0x5E4D, self.version + 1),
+            clip_sigma=self.clip_sigma,
+        )
+        try:
+            payload = encode_update(delta, compressor)
+        except ValueError as err:  # e.g. a non-finite model: send it whole
+            log(logging.WARNING, "TernaryDelta sends the whole model: %s", err)
+            return False
+        decoded = decode_update(payload, **limits_for(delta))  # what every client will add
+        self.floats = {n: self.floats[n] + decoded[n] for n in self.floats}
+        self._log.append(self.version + 1, payload)
+        return True
 
     def content_for(self, held: int, content: RecordDict, key: str) -> RecordDict:
         """``content`` with its model record ``key`` replaced by what a node that holds

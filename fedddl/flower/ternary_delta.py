@@ -91,7 +91,11 @@ class TernaryDelta(Strategy):
         Send deltas of the global model to nodes that hold the previous broadcast
         (``False``: every message carries the whole, exact global model).
     update_log_size : int
-        Encoded downlink deltas kept for nodes that missed rounds.
+        Global models' worth of encoded downlink deltas kept for nodes that missed rounds.
+    downlink_steps : int
+        Ternary deltas that move the broadcast model towards each new global model (each
+        one of the gap that remains): more steps, a closer broadcast model, that many
+        times the bytes of a delta message.
     scale_bound, scale_bound_action, scale_bound_rounds : float, str, int
         The bound on each reply's delta scales (:class:`~fedddl.sync.scale_bound.ScaleBound`:
         ``factor`` × the median of this round's and the last ``rounds`` rounds' scales;
@@ -115,12 +119,15 @@ class TernaryDelta(Strategy):
         scale_bound_action: str = "drop",
         scale_bound_rounds: int = 0,
         seed: int = 0,
+        downlink_steps: int = 1,
     ) -> None:
         super().__init__()
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a Flower Strategy, got {type(strategy).__name__}")
         if update_log_size < 0:
             raise ValueError(f"update_log_size must be >= 0, got {update_log_size}")
+        if downlink_steps < 1:
+            raise ValueError(f"downlink_steps must be >= 1, got {downlink_steps}")
         if not clip_sigma > 0:
             raise ValueError(f"clip_sigma must be > 0, got {clip_sigma}")
         make_compressor(compressor, seed=0, clip_sigma=clip_sigma)  # unknown name: ValueError
@@ -132,7 +139,7 @@ class TernaryDelta(Strategy):
         self.update_log_size = update_log_size
         self.seed = seed
         self.broadcast = DeltaBroadcast(
-            compressor, clip_sigma, error_feedback, downlink, update_log_size, seed
+            compressor, clip_sigma, error_feedback, downlink, update_log_size, seed, downlink_steps
         )
         #: Dropped replies by the kind of error; clipped replies by node; the rounds whose
         #: aggregate was not finite; the last exchange's report.
