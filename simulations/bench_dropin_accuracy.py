@@ -14,7 +14,8 @@ same rounds from the same initial model, with the same sampled nodes each round:
   that size below which a tensor travels dense (see
   :class:`~fedddl.compression.TernaryCompressor`) under ``NAME@...``.
 
-It prints the central test accuracy at ``--report-rounds`` and the ratios of the bytes up
+It prints the central test accuracy at ``--report-rounds``, the difference to plain at the
+first of them and averaged over rounds 1-6 (``d1-6``), and the ratios of the bytes up
 and down (serialized ``RecordDict`` sizes, :class:`fedddl.flower.grid.CountingGrid`) of
 plain to the variant over rounds 2 to the end, per seed and their mean, and writes every
 round's figures to ``--out`` (JSON). Also recorded per round of a drop-in run: the gap
@@ -208,6 +209,12 @@ def _bytes_ratio(plain: dict[str, Any], run: dict[str, Any], key: str) -> float:
     return p / q if q else float("nan")
 
 
+def _early_lag(plain: dict[str, Any], run: dict[str, Any]) -> float:
+    """The run's accuracy minus plain's, averaged over rounds 1 to 6."""
+    pairs = list(zip(plain["rounds"][1:7], run["rounds"][1:7], strict=False))
+    return sum(r["accuracy"] - p["accuracy"] for p, r in pairs) / max(len(pairs), 1)
+
+
 def _accuracy(run: dict[str, Any], at: int) -> float:
     return run["rounds"][at]["accuracy"] if at < len(run["rounds"]) else float("nan")
 
@@ -221,7 +228,7 @@ def table(results: list[dict[str, Any]], report: list[int]) -> str:
     for (strategy, epochs), runs in groups.items():
         lines.append(f"\n{strategy}, local epochs {epochs}")
         head = " ".join(f"acc@{r:<3}" for r in report)
-        lines.append(f"  {'variant':<44} {'seed':>4} {head}  d@{report[0]:<3} up-x  down-x")
+        lines.append(f"  {'variant':<44} {'seed':>4} {head}  d@{report[0]:<3} d1-6   up-x  down-x")
         plain = {r["seed"]: r for r in runs if r["variant"] == "plain"}
         variants = list(dict.fromkeys(r["variant"] for r in runs))
         for variant in variants:
@@ -231,18 +238,19 @@ def table(results: list[dict[str, Any]], report: list[int]) -> str:
                 accs = [_accuracy(run, at) for at in report]
                 base = plain.get(run["seed"])
                 diff = accs[0] - _accuracy(base, report[0]) if base else float("nan")
+                early = _early_lag(base, run) if base else float("nan")
                 up = _bytes_ratio(base, run, "up") if base else float("nan")
                 down = _bytes_ratio(base, run, "down") if base else float("nan")
-                stats.append((accs, diff, up, down))
+                stats.append((accs, diff, early, up, down))
                 cells = " ".join(f"{a:7.4f}" for a in accs)
                 lines.append(f"  {variant:<44} {run['seed']:>4} {cells} {diff:+6.3f} "
-                             f"{up:5.1f} {down:6.1f}")  # fmt: skip
+                             f"{early:+6.3f} {up:5.1f} {down:6.1f}")  # fmt: skip
             if len(rows) > 1:
                 mean = [sum(s[0][i] for s in stats) / len(stats) for i in range(len(report))]
                 cells = " ".join(f"{a:7.4f}" for a in mean)
-                m = [sum(s[k] for s in stats) / len(stats) for k in (1, 2, 3)]
+                m = [sum(s[k] for s in stats) / len(stats) for k in (1, 2, 3, 4)]
                 lines.append(f"  {variant:<44} {'mean':>4} {cells} {m[0]:+6.3f} "
-                             f"{m[1]:5.1f} {m[2]:6.1f}")  # fmt: skip
+                             f"{m[1]:+6.3f} {m[2]:5.1f} {m[3]:6.1f}")  # fmt: skip
         for variant in variants:
             if variant != "plain":
                 lines.append(f"  mean difference to plain, {variant}: " + " ".join(
