@@ -1,4 +1,5 @@
-"""``TernaryDelta(downlink_steps=k)``: k ternary deltas towards each new global model.
+"""``TernaryDelta(downlink_steps=k)``: k ternary deltas towards each new global model;
+``TernaryDelta(feedback_warmup_rounds=n)``: no uplink error feedback in the first n rounds.
 
 In-process (InlineGrid), a tiny model, FedAvg. Checked: the clients apply every step and
 hold the server's broadcast model bit for bit; each new global model adds k versions; the
@@ -13,7 +14,8 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 
 from fedddl.flower import TernaryDelta, ternary_mod
-from fedddl.flower.delta_protocol import UPDATES, split_model
+from fedddl.flower.delta_mod import STATE_RESIDUAL
+from fedddl.flower.delta_protocol import UPDATES, parse_broadcast, split_model
 from fedddl.flower.inline_grid import InlineGrid
 from tests.test_flower_ternary_delta import NODES, _client_app, _fedavg, _held, _net
 
@@ -66,3 +68,29 @@ def test_every_step_is_applied_and_the_gap_shrinks() -> None:
 def test_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="downlink_steps"):
         TernaryDelta(_fedavg(), downlink_steps=0)
+
+
+def test_feedback_warmup_rounds_send_the_first_replies_without_residuals() -> None:
+    seen: list[tuple[int, bool, bool]] = []
+
+    def look(message: Message, context: Context) -> None:
+        rnd = int(message.content["config"]["server-round"])  # type: ignore[index, arg-type]
+        broadcast = parse_broadcast(message.content)
+        seen.append((rnd, broadcast.error_feedback, STATE_RESIDUAL in context.state))
+
+    grid = InlineGrid(_client_app([ternary_mod]), NODES, before=look)
+    strategy = TernaryDelta(_fedavg(fraction_evaluate=0.0), feedback_warmup_rounds=2)
+    strategy.start(
+        grid=grid,
+        initial_arrays=ArrayRecord(_net().state_dict()),
+        num_rounds=4,
+        train_config=ConfigRecord({}),
+    )
+    assert strategy.dropped == {}
+    assert {(r, feedback) for r, feedback, _ in seen} == {
+        (1, False), (2, False), (3, True), (4, True)
+    }  # fmt: skip
+    # no residual is kept before round 3's replies; round 4 finds the one of round 3
+    assert {r: held for r, _, held in seen} == {1: False, 2: False, 3: False, 4: True}
+    with pytest.raises(ValueError, match="feedback_warmup_rounds"):
+        TernaryDelta(_fedavg(), feedback_warmup_rounds=-1)

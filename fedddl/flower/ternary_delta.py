@@ -92,6 +92,9 @@ class TernaryDelta(Strategy):
         (``False``: every message carries the whole, exact global model).
     update_log_size : int
         Global models' worth of encoded downlink deltas kept for nodes that missed rounds.
+    feedback_warmup_rounds : int
+        Rounds at the start whose replies are sent without the uplink's error feedback
+        (no residual added or kept); from the next round on, ``error_feedback`` applies.
     downlink_steps : int
         Ternary deltas that move the broadcast model towards each new global model (each
         one of the gap that remains): more steps, a closer broadcast model, that many
@@ -120,12 +123,15 @@ class TernaryDelta(Strategy):
         scale_bound_rounds: int = 0,
         seed: int = 0,
         downlink_steps: int = 1,
+        feedback_warmup_rounds: int = 0,
     ) -> None:
         super().__init__()
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a Flower Strategy, got {type(strategy).__name__}")
         if update_log_size < 0:
             raise ValueError(f"update_log_size must be >= 0, got {update_log_size}")
+        if feedback_warmup_rounds < 0:
+            raise ValueError(f"feedback_warmup_rounds must be >= 0, got {feedback_warmup_rounds}")
         if downlink_steps < 1:
             raise ValueError(f"downlink_steps must be >= 1, got {downlink_steps}")
         if not clip_sigma > 0:
@@ -135,6 +141,7 @@ class TernaryDelta(Strategy):
         self.compressor = compressor
         self.clip_sigma = float(clip_sigma)
         self.error_feedback = error_feedback
+        self.feedback_warmup_rounds = feedback_warmup_rounds
         self.downlink = downlink
         self.update_log_size = update_log_size
         self.seed = seed
@@ -176,6 +183,7 @@ class TernaryDelta(Strategy):
     ) -> Iterable[Message]:
         """The wrapped strategy's messages, with the model as deltas where possible."""
         messages = self.strategy.configure_train(server_round, arrays, config, grid)
+        self._feedback_for(server_round)
         return self._outgoing(messages, arrays)
 
     def aggregate_train(
@@ -199,6 +207,7 @@ class TernaryDelta(Strategy):
     ) -> Iterable[Message]:
         """The wrapped strategy's messages, with the model as deltas where possible."""
         messages = self.strategy.configure_evaluate(server_round, arrays, config, grid)
+        self._feedback_for(server_round)
         return self._outgoing(messages, arrays)
 
     def aggregate_evaluate(
@@ -216,6 +225,11 @@ class TernaryDelta(Strategy):
     def broadcast_model(self) -> ArrayRecord | None:
         """The model the nodes hold (the last broadcast), as an ArrayRecord."""
         return self.broadcast.model()
+
+    def _feedback_for(self, server_round: int) -> None:
+        """The uplink's error feedback setting that this round's messages carry."""
+        warm = server_round > self.feedback_warmup_rounds
+        self.broadcast.error_feedback = self.error_feedback and warm
 
     def _outgoing(self, messages: Iterable[Message], arrays: ArrayRecord) -> list[Message]:
         out = []
