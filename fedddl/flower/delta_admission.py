@@ -169,15 +169,15 @@ class DeltaAdmission:
         self.resyncs.unreadable(node)
 
     def reach_from(
-        self, node: int, server_round: int, held: int, current: int, costly: bool
+        self, node: int, server_round: int, held: int, latest_base: int, costly: bool
     ) -> int:
-        """The version to send ``node`` the catch-up to ``current`` from: ``held``, or,
-        while its resyncs are held back and that catch-up is ``costly``, ``current - 1``
-        (the latest update, all an honest node that holds it needs)."""
+        """The version to send ``node`` the catch-up from: ``held``, or, while its resyncs
+        are held back and that catch-up is ``costly``, ``latest_base`` (the version the
+        latest update starts from: all an honest node that holds it needs)."""
         if not costly:
             return held
         if self.resyncs.holds_back(node, server_round):
-            return current - 1
+            return latest_base
         self.resyncs.served(node, server_round)
         return held
 

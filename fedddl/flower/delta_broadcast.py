@@ -1,8 +1,8 @@
 """The downlink of :class:`~fedddl.flower.TernaryDelta`: the broadcast model and its log.
 
 :class:`DeltaBroadcast` keeps the model the nodes hold (the *broadcast model*) and moves it
-towards each new global model by one ternary-encoded delta of the whole gap (what one delta
-could not carry goes with the next). The encoded deltas are kept in an
+towards each new global model by ``steps`` ternary-encoded deltas (one version each) of the
+whole gap (what one delta could not carry goes with the next). The encoded deltas are kept in an
 :class:`~fedddl.replica.UpdateLog` and a node's message is planned by
 :func:`~fedddl.replica.plan_catch_up`, as TernGrad plans its catch-ups: the deltas a node
 misses, or the whole model when the log does not reach back far enough.
@@ -53,6 +53,9 @@ DOWNLINKS = ("delta", "grid", "none")
 class DeltaBroadcast:
     """The broadcast model, the exact global model it follows, and the log of deltas.
 
+    ``steps`` deltas (versions) per new global model; the log keeps ``update_log_size``
+    global models' worth of them.
+
     Attributes
     ----------
     version : int
@@ -74,6 +77,7 @@ class DeltaBroadcast:
         seed: int,
         grid_levels: int = 1,
         grid_log_size: int = 64,
+        steps: int = 1,
     ) -> None:
         if downlink not in DOWNLINKS:
             raise ValueError(f"downlink must be one of {DOWNLINKS}, got {downlink!r}")
@@ -89,7 +93,10 @@ class DeltaBroadcast:
         self.layout: Layout = {}
         self._digest = ""
         self._target = ""
-        self._log = UpdateLog(update_log_size)
+        self.steps = steps
+        #: The version the latest update starts from (the previous global model's; -1: none).
+        self.latest_base = -1
+        self._log = UpdateLog(update_log_size * steps)
 
     def model(self) -> ArrayRecord | None:
         """The broadcast model as an ArrayRecord (None before the first)."""
@@ -110,31 +117,20 @@ class DeltaBroadcast:
             return
         fresh = self.downlink == "none" or not self._follows(target, layout)
         self.layout, self.others, self.exact = layout, target.others, target.floats
+        base = self.version
         if not fresh:
-            # the whole gap: what earlier deltas could not carry is part of it
-            delta = {  # in the broadcast model's dtypes, whatever the strategy's
-                n: (target.floats[n] - self.floats[n]).to(self.floats[n].dtype)
-                for n in self.floats
-            }
-            compressor = make_compressor(
-                self.compressor,
-                seed=derive_seed(self.seed, 0x5E4D, self.version + 1),
-                clip_sigma=self.clip_sigma,
-            )
-            try:
-                payload = encode_update(delta, compressor)
-            except ValueError as err:  # e.g. a non-finite model: send it whole
-                log(logging.WARNING, "TernaryDelta sends the whole model: %s", err)
-                fresh = True
-            else:
-                decoded = decode_update(payload, **limits_for(delta))  # what every client will add
-                self.floats = {n: self.floats[n] + decoded[n] for n in self.floats}
-                self._log.append(self.version + 1, payload)
+            fresh = not self._step(target.floats)
+            for _ in range(1, self.steps):  # more deltas towards the same model
+                if fresh:
+                    break
+                self.version += 1
+                fresh = not self._step(target.floats)
         if fresh:
             self.names = target.names
             self.floats = {n: t.clone() for n, t in target.floats.items()}
             self._log.clear()
         self.version += 1
+        self.latest_base = base
         self._digest = digest(self.floats)
 
     def _follows(self, target: SplitModel, layout: Layout) -> bool:
@@ -172,16 +168,40 @@ class DeltaBroadcast:
             floats = {n: t.clone() for n, t in target.floats.items()}
         self._grid = grid
         self.names, self.floats = target.names, floats
+        self.latest_base = self.version
         self.version += 1
         self._digest = digest(self.floats)
 
     def costly(self, held: int) -> bool:
-        """Whether a node holding ``held`` needs a resync: more than the latest update."""
-        if held != self.version - 1 or self.downlink == "none":
+        """Whether a node holding ``held`` needs a resync: more than the latest update (the
+        ``steps`` deltas from :attr:`latest_base`)."""
+        if held != self.latest_base or self.downlink == "none":
             return held != self.version
         if self.downlink == "grid":
             return self._grid is None or not self._grid.ready or self._grid.message(held)[0] < 1
         return plan_catch_up(held, self.version, self._log).kind == "snapshot"
+
+    def _step(self, target: dict[str, torch.Tensor]) -> bool:
+        """Move the broadcast model by one encoded delta of the whole gap to ``target``
+        (what earlier deltas could not carry is part of it) as version ``version + 1``;
+        False when the gap cannot be encoded (e.g. a non-finite model)."""
+        delta = {  # in the broadcast model's dtypes, whatever the strategy's
+            n: (target[n] - self.floats[n]).to(self.floats[n].dtype) for n in self.floats
+        }
+        compressor = make_compressor(
+            self.compressor,
+            seed=derive_seed(self.seed, 0x5E4D, self.version + 1),
+            clip_sigma=self.clip_sigma,
+        )
+        try:
+            payload = encode_update(delta, compressor)
+        except ValueError as err:  # e.g. a non-finite model: send it whole
+            log(logging.WARNING, "TernaryDelta sends the whole model: %s", err)
+            return False
+        decoded = decode_update(payload, **limits_for(delta))  # what every client will add
+        self.floats = {n: self.floats[n] + decoded[n] for n in self.floats}
+        self._log.append(self.version + 1, payload)
+        return True
 
     def content_for(
         self, held: int, content: RecordDict, key: str, whole: bool = False

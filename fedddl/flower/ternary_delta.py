@@ -120,7 +120,8 @@ class TernaryDelta(Strategy):
         (:mod:`fedddl.flower.delta_grid`); ``"none"`` (or ``False``): every message carries
         the whole, exact global model.
     update_log_size : int
-        Encoded downlink deltas kept for nodes that missed rounds (``"delta"``).
+        Global models' worth of encoded downlink deltas kept for nodes that missed rounds
+        (``"delta"``).
     grid_levels, grid_log_size : int
         ``"grid"``: a version's codes lie in ``[-grid_levels, grid_levels]`` (1 to 127);
         versions kept for catch-ups (1 to 2**20).
@@ -133,6 +134,13 @@ class TernaryDelta(Strategy):
         refused reply, another version) is resynced at most once every this many rounds,
         doubling while it keeps failing (:class:`~fedddl.sync.resync_limit.ResyncLimiter`;
         0: no limit).
+    feedback_warmup_rounds : int
+        Rounds at the start whose replies are sent without the uplink's error feedback
+        (no residual added or kept); from the next round on, ``error_feedback`` applies.
+    downlink_steps : int
+        Ternary deltas that move the broadcast model towards each new global model (each
+        one of the gap that remains): more steps, a closer broadcast model, that many
+        times the bytes of a delta message.
     scale_bound, scale_bound_action, scale_bound_rounds : float, str, int
         The bound on each reply's delta scales (:class:`~fedddl.sync.scale_bound.ScaleBound`:
         ``factor`` × the median of this round's and the last ``rounds`` rounds' scales;
@@ -160,26 +168,35 @@ class TernaryDelta(Strategy):
         scale_bound_action: str = "drop",
         scale_bound_rounds: int = 0,
         seed: int = 0,
+        downlink_steps: int = 1,
+        feedback_warmup_rounds: int = 0,
     ) -> None:
         super().__init__()
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a Flower Strategy, got {type(strategy).__name__}")
         if update_log_size < 0:
             raise ValueError(f"update_log_size must be >= 0, got {update_log_size}")
+        if feedback_warmup_rounds < 0:
+            raise ValueError(f"feedback_warmup_rounds must be >= 0, got {feedback_warmup_rounds}")
+        if downlink_steps < 1:
+            raise ValueError(f"downlink_steps must be >= 1, got {downlink_steps}")
         if not clip_sigma > 0:
             raise ValueError(f"clip_sigma must be > 0, got {clip_sigma}")
         make_compressor(compressor, seed=0, clip_sigma=clip_sigma)  # unknown name: ValueError
         mode = _downlink_mode(downlink, grid_levels, grid_log_size, resync_interval)
+        if mode != "delta" and downlink_steps != 1:
+            raise ValueError(f"downlink_steps applies to the delta downlink only, not {mode!r}")
         self.strategy = strategy
         self.compressor = compressor
         self.clip_sigma = float(clip_sigma)
         self.error_feedback = error_feedback
+        self.feedback_warmup_rounds = feedback_warmup_rounds
         self.downlink = mode
         self.update_log_size = update_log_size
         self.seed = seed
         self.broadcast = DeltaBroadcast(
             compressor, clip_sigma, error_feedback, mode, update_log_size, seed,
-            grid_levels=grid_levels, grid_log_size=grid_log_size,
+            grid_levels=grid_levels, grid_log_size=grid_log_size, steps=downlink_steps,
         )  # fmt: skip
         #: Dropped replies by the kind of error; clipped replies by node; the rounds whose
         #: aggregate was not finite; the last exchange's report.
@@ -225,6 +242,7 @@ class TernaryDelta(Strategy):
     ) -> Iterable[Message]:
         """The wrapped strategy's messages, with the model as deltas where possible."""
         messages = self.strategy.configure_train(server_round, arrays, config, grid)
+        self._feedback_for(server_round)
         return self._outgoing(messages, arrays, server_round)
 
     def aggregate_train(
@@ -249,6 +267,7 @@ class TernaryDelta(Strategy):
     ) -> Iterable[Message]:
         """The wrapped strategy's messages, with the model as deltas where possible."""
         messages = self.strategy.configure_evaluate(server_round, arrays, config, grid)
+        self._feedback_for(server_round)
         return self._outgoing(messages, arrays, server_round)
 
     def aggregate_evaluate(
@@ -278,6 +297,11 @@ class TernaryDelta(Strategy):
         """The model the nodes hold (the last broadcast), as an ArrayRecord."""
         return self.broadcast.model()
 
+    def _feedback_for(self, server_round: int) -> None:
+        """The uplink's error feedback setting that this round's messages carry."""
+        warm = server_round > self.feedback_warmup_rounds
+        self.broadcast.error_feedback = self.error_feedback and warm
+
     def _outgoing(
         self, messages: Iterable[Message], arrays: ArrayRecord, server_round: int
     ) -> list[Message]:
@@ -304,7 +328,9 @@ class TernaryDelta(Strategy):
             whole = self.downlink == "grid" and not (self.assume_mod or node in self._modded)
             held = -1 if node in self._whole else self.admission.held(node)
             costly = whole or self.broadcast.costly(held)
-            reach = self.admission.reach_from(node, server_round, held, self.version, costly)
+            reach = self.admission.reach_from(
+                node, server_round, held, self.broadcast.latest_base, costly
+            )
             whole, held = whole and reach == held, reach  # held back: the latest update
             message.content = self.broadcast.content_for(held, message.content, key, whole)
             rebuilt = whole and self.broadcast.whole_rebuilds_grid() is not None
@@ -334,7 +360,7 @@ class TernaryDelta(Strategy):
                 "got the whole model: its last reply failed or did not come, or its state "
                 "was lost"
             )
-        elif behind > self.update_log_size:
+        elif behind > self.update_log_size * self.broadcast.steps:
             reason, text = "behind", (
                 f"got the whole model: further behind than the update log "
                 f"(update_log_size={self.update_log_size})"

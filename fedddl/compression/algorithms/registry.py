@@ -8,6 +8,7 @@ from typing import Any
 from fedddl.compression.algorithms.base import Compressor
 from fedddl.compression.algorithms.identity import IdentityCompressor
 from fedddl.compression.algorithms.ternary import TernaryCompressor, TernaryEntropyCompressor
+from fedddl.compression.algorithms.ternary_fitted import FittedTernaryCompressor
 
 __all__ = [
     "available_compressors",
@@ -124,4 +125,6 @@ register_compressor("ternary-entropy", TernaryEntropyCompressor)
 # pairing for error feedback on whole model deltas (fedddl.flower.TernaryDelta).
 register_compressor("ternary-threshold", _ternary_threshold)
 register_compressor("ternary-threshold-base3", _ternary_threshold_base3)
+# The same codes with the least-squares scale of each tensor (lower error, same bytes).
+register_compressor("ternary-fitted-base3", FittedTernaryCompressor)
 register_compressor("identity", IdentityCompressor)
