@@ -56,8 +56,10 @@ class DeltaBroadcast:
         downlink: bool,
         update_log_size: int,
         seed: int,
+        scale_bucket: int = 0,
     ) -> None:
         self.compressor, self.clip_sigma, self.seed = compressor, float(clip_sigma), seed
+        self.scale_bucket = scale_bucket
         self.error_feedback, self.downlink = error_feedback, downlink
         self.version = 0
         self.names: list[str] = []
@@ -92,6 +94,7 @@ class DeltaBroadcast:
                 self.compressor,
                 seed=derive_seed(self.seed, 0x5E4D, self.version + 1),
                 clip_sigma=self.clip_sigma,
+                scale_bucket=self.scale_bucket,
             )
             try:
                 payload = encode_update(delta, compressor)
@@ -140,6 +143,7 @@ class DeltaBroadcast:
             clip_sigma=self.clip_sigma,
             error_feedback=self.error_feedback,
             seed=self.seed,
+            scale_bucket=self.scale_bucket,
         ).to_record()
         return out
 

@@ -100,6 +100,9 @@ class TernaryDelta(Strategy):
         size as training goes, so only the round's own replies set the median by default.
     seed : int
         Seed of the compressors' stochastic rounding.
+    scale_bucket : int
+        Scales of the ternary deltas: 0 one per tensor, ``N > 0`` one per bucket of ``N``
+        values, -1 one per output channel (sent to the nodes in :data:`META`).
     """
 
     def __init__(
@@ -115,6 +118,7 @@ class TernaryDelta(Strategy):
         scale_bound_action: str = "drop",
         scale_bound_rounds: int = 0,
         seed: int = 0,
+        scale_bucket: int = 0,
     ) -> None:
         super().__init__()
         if not isinstance(strategy, Strategy):
@@ -123,7 +127,10 @@ class TernaryDelta(Strategy):
             raise ValueError(f"update_log_size must be >= 0, got {update_log_size}")
         if not clip_sigma > 0:
             raise ValueError(f"clip_sigma must be > 0, got {clip_sigma}")
-        make_compressor(compressor, seed=0, clip_sigma=clip_sigma)  # unknown name: ValueError
+        make_compressor(  # unknown name, bad scale_bucket: ValueError
+            compressor, seed=0, clip_sigma=clip_sigma, scale_bucket=scale_bucket
+        )
+        self.scale_bucket = scale_bucket
         self.strategy = strategy
         self.compressor = compressor
         self.clip_sigma = float(clip_sigma)
@@ -132,7 +139,7 @@ class TernaryDelta(Strategy):
         self.update_log_size = update_log_size
         self.seed = seed
         self.broadcast = DeltaBroadcast(
-            compressor, clip_sigma, error_feedback, downlink, update_log_size, seed
+            compressor, clip_sigma, error_feedback, downlink, update_log_size, seed, scale_bucket
         )
         #: Dropped replies by the kind of error; clipped replies by node; the rounds whose
         #: aggregate was not finite; the last exchange's report.
@@ -295,7 +302,13 @@ class TernaryDelta(Strategy):
         model plus its delta."""
         broadcast = self.broadcast
         admitted = self.admission.admit(
-            compressed, broadcast.floats, self.version, self.compressor, self.clip_sigma, report
+            compressed,
+            broadcast.floats,
+            self.version,
+            self.compressor,
+            self.clip_sigma,
+            report,
+            self.scale_bucket,
         )
         for node, delta in admitted:
             weights = {n: broadcast.exact[n] + delta[n] for n in broadcast.floats}
