@@ -334,3 +334,24 @@ def test_the_bucket_size_depends_on_the_shape_alone() -> None:
     message = encode_update(zeros, TernaryCompressor(seed=0, scale_bucket=100))
     assert [e.bucket for e in read_header(message)] == [100, 0]
     assert all(bool((t == 0).all()) for t in decode_update(message).values())
+
+
+def test_mutated_bucket_messages_raise_payload_errors_only() -> None:
+    tensors = _tensors()
+    message = encode_update(tensors, TernaryCompressor(seed=1, codec="base3", scale_bucket=100))
+    rng = np.random.default_rng(0)
+    refused = 0
+    for _ in range(300):
+        data = bytearray(message)
+        for where in rng.integers(5, len(data) - 4, size=int(rng.integers(1, 4))):
+            data[where] = int(rng.integers(0, 256))
+        out = {k: torch.full_like(v, 7.0) for k, v in tensors.items()}
+        try:
+            decoded = decode_update(_reseal(bytes(data)), out=out)
+        except PayloadError:
+            refused += 1
+            assert all(bool((v == 7.0).all()) for v in out.values())
+            continue
+        for name, tensor in decoded.items():  # accepted: the header's scale bounds it
+            assert tensor.shape == tensors[name].shape and bool(torch.isfinite(tensor).all())
+    assert refused > 100
