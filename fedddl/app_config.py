@@ -116,6 +116,11 @@ class AppConfig:
         The last ``nn.Linear``'s parameters travel in fp32 both ways.
     fp32_warmup_rounds : int
         The first rounds send everything in fp32 (the ``identity`` compressor).
+    scale_bucket : int
+        Scales of the ternary codes, both ways: 0 one per tensor (TernGrad's layer-wise
+        scaler); ``N > 0`` one per bucket of ``N`` consecutive values; -1 one per output
+        channel (:mod:`fedddl.compression.algorithms.ternary_buckets`). Not with the
+        ``shared-scale-sum`` downlink or ``ternary-entropy``.
     update_log_size : int
         Encoded broadcast updates the server keeps for catch-up; further behind gets a snapshot.
     client_snapshot_dir : str
@@ -212,6 +217,7 @@ class AppConfig:
     fp32_min_numel: int = 0
     fp32_logits: bool = True
     fp32_warmup_rounds: int = 0
+    scale_bucket: int = 0
     update_log_size: int = 8
     grid_levels: int = 1
     grid_log_size: int = 256
@@ -297,6 +303,16 @@ class AppConfig:
             raise ValueError(f"fp32-min-numel must be >= 0, got {self.fp32_min_numel}")
         if self.fp32_warmup_rounds < 0:
             raise ValueError(f"fp32-warmup-rounds must be >= 0, got {self.fp32_warmup_rounds}")
+        if self.scale_bucket < -1:
+            raise ValueError(
+                f"scale-bucket must be 0 (per tensor), N > 0 or -1 (per output channel), "
+                f"got {self.scale_bucket}"
+            )
+        if self.scale_bucket and self.downlink == "shared-scale-sum":
+            raise ValueError(
+                "scale-bucket needs downlink 'reternarize' or 'grid' (the shared-scale sum "
+                "needs one scale per tensor)"
+            )
         if self.eval_every < 1:
             raise ValueError(f"eval-every must be >= 1, got {self.eval_every}")
         if self.eval_samples < 0:

@@ -15,6 +15,16 @@ torch thread each.
         --setting "terngrad shared-sum: strategy='terngrad' downlink='shared-scale-sum'" \\
         --seeds 0,1,2
 
+Scale buckets against TernGrad's per-tensor scale (``scale-bucket``; issue 34's variants),
+on a schedule shortened to 150 rounds with the lr steps where the 400-round one has them::
+
+    python -m simulations.sweep_settings --base "dataset='fashion-mnist' arch='resnet8' \
+        num-server-rounds=150 lr-milestones='75,112' eval-every=25 eval-samples=2000" \
+        --setting "terngrad: strategy='terngrad'" \
+        --setting "gradient-average: strategy='gradient-average'" \
+        --setting "terngrad bucket 512: strategy='terngrad' scale-bucket=512" \
+        --setting "terngrad per-channel: strategy='terngrad' scale-bucket=-1" --seeds 0
+
 It prints one line per run as it ends, then a table: per setting and evaluated round the
 mean accuracy over seeds with its range, the mean bytes up and down per round, the mean
 run time, and each setting's final accuracy minus the first setting's (mean and per seed).

@@ -30,7 +30,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 from torch import nn
 
-from fedddl.compression import IdentityCompressor, decode_update, encode_update
+from fedddl.compression import BUCKETS_VERSION, IdentityCompressor, decode_update, encode_update
 from fedddl.flower import TernaryDelta, ternary_mod
 from fedddl.flower.delta_mod import STATE_MODEL, STATE_MODEL_LAYOUT
 from fedddl.flower.delta_protocol import DELTA, DELTA_KEY, META, UPDATES, digest, split_model
@@ -194,6 +194,27 @@ def test_uplink_restores_the_reply_model_within_the_ternary_error(compressor: st
     cosine = torch.nn.functional.cosine_similarity(step_plain, step_ternary, dim=0)
     assert cosine > 0.75, float(cosine)  # measured 0.88 / 0.90
     assert not torch.equal(step_plain, step_ternary)  # it really was compressed
+
+
+def test_scale_buckets_travel_both_ways() -> None:
+    """With ``scale_bucket`` the nodes encode their deltas in buckets too (told in META):
+    every reply is admitted and every client holds the broadcast model bit for bit."""
+    payloads: list[bytes] = []
+
+    def look(message: Message, reply: Message) -> Message:
+        if message.metadata.message_type == "train" and DELTA in reply.content:
+            payloads.append(array_to_bytes(reply.content[DELTA][DELTA_KEY]))  # type: ignore[index, arg-type]
+        return reply
+
+    grid = InlineGrid(_client_app([ternary_mod]), NODES, tamper=look)
+    strategy = TernaryDelta(_fedavg(fraction_evaluate=1.0), scale_bucket=8)
+    result, _ = _run(grid, strategy, rounds=3)
+    assert result.arrays is not None and strategy.dropped == {}
+    server = split_model(strategy.broadcast_model()).floats  # type: ignore[arg-type]
+    for context in grid.contexts.values():
+        held = _held(context)
+        assert all(torch.equal(held[n], server[n]) for n in server)
+    assert payloads and all(p[4] == BUCKETS_VERSION for p in payloads)
 
 
 def test_plain_clients_and_plain_servers_pass_through() -> None:

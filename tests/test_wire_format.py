@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fedddl.compression import (
+    BUCKETS_VERSION,
     FORMAT_VERSION,
     MAGIC,
     IdentityCompressor,
@@ -144,7 +145,7 @@ def test_rejects_wrong_magic_and_version() -> None:
     with pytest.raises(PayloadError, match="magic"):
         decode_update(b"XXXX" + data[4:])
     with pytest.raises(PayloadError, match="version"):
-        decode_update(data[:4] + bytes([FORMAT_VERSION + 1]) + data[5:])
+        decode_update(data[:4] + bytes([BUCKETS_VERSION + 1]) + data[5:])
 
 
 def test_rejects_crc_mismatch() -> None:

@@ -30,6 +30,7 @@ from fedddl.compression import (
     pack_codes,
     read_header,
 )
+from fedddl.compression.backends.buckets import bucket_scales
 from fedddl.compression.backends.packing import CODE_MINUS, CODE_PLUS, CODE_ZERO
 from fedddl.compression.codecs.wire import FORMAT_VERSION, MAGIC
 from fedddl.sync.messages import ClientReply
@@ -98,13 +99,14 @@ def rewrite_payload(payload: bytes, attack: Attack) -> bytes:
     Ternary entries keep their codec: ``scale:S`` multiplies the scale (capped at the
     largest finite float32), ``sign-flip`` negates the codes, ``all-plus`` sets every code
     to +1, ``near-bound:F`` negates the codes and multiplies the scale. Dense entries get
-    the same treatment on their values.
+    the same treatment on their values. An entry with scale buckets keeps its buckets
+    (each bucket's scale, read back as its largest decoded magnitude, gets the treatment).
     """
     entries = read_header(payload)
     decoded = decode_update(payload)
     values: dict[str, torch.Tensor] = {}
     scales: dict[str, float] = {}
-    codecs: dict[str, str] = {}
+    codecs: dict[str, tuple[str, int, torch.Tensor | None]] = {}
     for entry in entries:
         tensor = decoded[entry.name]
         if entry.codec is None:
@@ -112,16 +114,24 @@ def rewrite_payload(payload: bytes, attack: Attack) -> bytes:
             continue
         codes = torch.sign(tensor.to(torch.float32))
         scale = entry.scale
+        per_bucket = None
+        if entry.bucket:
+            per_bucket = bucket_scales(tensor.reshape(-1).to(torch.float32), entry.bucket, None)
         if attack.kind in ("scale", "near-bound"):
             assert attack.arg is not None
             scale = min(scale * attack.arg, _FLOAT32_MAX)
+            if per_bucket is not None:
+                wide = per_bucket.to(torch.float64) * attack.arg
+                per_bucket = wide.clamp(max=_FLOAT32_MAX).to(torch.float32)
         if attack.kind in ("sign-flip", "near-bound"):
             codes = -codes
         elif attack.kind == "all-plus":
             codes = torch.ones_like(codes)
         values[entry.name] = codes
+        if per_bucket is not None:
+            scale = float(per_bucket.max()) if per_bucket.numel() else 0.0
         scales[entry.name] = float(np.float32(scale))
-        codecs[entry.name] = entry.codec
+        codecs[entry.name] = (entry.codec, entry.bucket, per_bucket)
     return encode_update(values, _Recode(codecs), scales=scales)
 
 
@@ -192,13 +202,14 @@ class _Recode(Compressor):
 
     Parameters
     ----------
-    codecs : Mapping[str, str]
-        The codec of each ternary tensor, consumed in encoding order.
+    codecs : Mapping[str, tuple[str, int, torch.Tensor | None]]
+        The codec, bucket size and bucket scales (0 and None: one scale) of each ternary
+        tensor, consumed in encoding order.
     """
 
     name = "attack-recode"
 
-    def __init__(self, codecs: Mapping[str, str]) -> None:
+    def __init__(self, codecs: Mapping[str, tuple[str, int, torch.Tensor | None]]) -> None:
         self._codecs = iter(list(codecs.values()))
 
     def compress(
@@ -211,8 +222,9 @@ class _Recode(Compressor):
         codes = torch.full(flat.shape, CODE_ZERO, dtype=torch.uint8)
         codes[flat > 0] = CODE_PLUS
         codes[flat < 0] = CODE_MINUS
-        codec = next(self._codecs)
-        return TernaryPayload(pack_codes(codes, codec), scale, flat.numel(), codec), ctx
+        codec, bucket, per_bucket = next(self._codecs)
+        packed = pack_codes(codes, codec)
+        return TernaryPayload(packed, scale, flat.numel(), codec, bucket, per_bucket), ctx
 
     def decompress(self, payload: Payload, ctx: Context) -> torch.Tensor:
         raise NotImplementedError("the attack encoder never decompresses")

@@ -141,6 +141,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "(default: 0.25)",
     )
     parser.add_argument(
+        "--scale-bucket", type=int, default=0,
+        help="with a ternary --compressor: 0 one scale per tensor, N per N values, "
+             "-1 per output channel (default: 0)",
+    )
+    parser.add_argument(
         "--clip", type=float, default=0.25,
         help="clipped gossip: a neighbour's difference is clipped to this many times the "
              "median of the peers' recent difference norms; 0 = unclipped (default: 0.25)",
@@ -196,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
             selection=args.selection,
             compressor=args.compressor,
             consensus_step=args.consensus_step,
+            scale_bucket=args.scale_bucket,
             clip=args.clip,
             attack=args.attack,
             attackers=(1 if args.attack else 0) if args.attackers is None else args.attackers,

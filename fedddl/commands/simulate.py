@@ -120,6 +120,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="first rounds send everything in fp32, in rounds (default: 0)",
     )
     parser.add_argument(
+        "--scale-bucket",
+        type=int,
+        default=0,
+        help="ternary scales: 0 per tensor, N per N values, -1 per output channel (default: 0)",
+    )
+    parser.add_argument(
         "--eval-every",
         type=int,
         default=1,
@@ -254,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
             fp32_min_numel=args.fp32_min_numel,
             fp32_logits=args.fp32_logits,
             fp32_warmup_rounds=args.fp32_warmup_rounds,
+            scale_bucket=args.scale_bucket,
             eval_every=args.eval_every,
             eval_samples=args.eval_samples,
             partition=args.partition,

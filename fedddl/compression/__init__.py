@@ -38,6 +38,7 @@ from fedddl.compression.backends.unpacking import unpack_codes
 from fedddl.compression.codecs.errors import PayloadError, PayloadLimitError
 from fedddl.compression.codecs.message_buffer import MessageBuffer
 from fedddl.compression.codecs.wire import (
+    BUCKETS_VERSION,
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_TENSORS,
     DEFAULT_MAX_VALUES,
@@ -55,6 +56,7 @@ from fedddl.compression.codecs.wire import (
 from fedddl.compression.warmup import warm_up
 
 __all__ = [
+    "BUCKETS_VERSION",
     "CODECS",
     "DEFAULT_MAX_BYTES",
     "DEFAULT_MAX_TENSORS",

@@ -189,6 +189,7 @@ class DeltaAdmission:
         compressor: str,
         clip_sigma: float,
         report: RoundReport,
+        scale_bucket: int = 0,
     ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
         """Each admitted reply's node and decoded delta (a buffer overwritten by the next),
         in combination order; the others dropped in ``report``. ``floats``: the broadcast
@@ -210,7 +211,7 @@ class DeltaAdmission:
 
         rules = RoundRules(
             validate=validate,
-            spec=self._spec(compressor, clip_sigma, floats),
+            spec=self._spec(compressor, clip_sigma, floats, scale_bucket),
             shared_sum=False,
             num_tensors=len(floats),
             model=nn.Module(),
@@ -249,16 +250,22 @@ class DeltaAdmission:
         self.forget(node)
 
     def _spec(
-        self, compressor: str, clip_sigma: float, floats: Mapping[str, torch.Tensor]
+        self,
+        compressor: str,
+        clip_sigma: float,
+        floats: Mapping[str, torch.Tensor],
+        scale_bucket: int = 0,
     ) -> PayloadSpec:
         layout = tuple((n, str(t.dtype), tuple(t.shape)) for n, t in floats.items())
-        key = (compressor, clip_sigma, layout)
+        key = (compressor, clip_sigma, scale_bucket, layout)
         spec = self._specs.get(key)
         if spec is None:
             self._specs.clear()  # one model layout at a time
             spec = self._specs[key] = PayloadSpec.for_shapes(
                 {n: tuple(int(d) for d in t.shape) for n, t in floats.items()},
-                make_compressor(compressor, seed=0, clip_sigma=clip_sigma),
+                make_compressor(
+                    compressor, seed=0, clip_sigma=clip_sigma, scale_bucket=scale_bucket
+                ),
                 dtypes={n: t.dtype for n, t in floats.items()},
             )
         return spec

@@ -78,10 +78,12 @@ class DeltaBroadcast:
         grid_levels: int = 1,
         grid_log_size: int = 64,
         steps: int = 1,
+        scale_bucket: int = 0,
     ) -> None:
         if downlink not in DOWNLINKS:
             raise ValueError(f"downlink must be one of {DOWNLINKS}, got {downlink!r}")
         self.compressor, self.clip_sigma, self.seed = compressor, float(clip_sigma), seed
+        self.scale_bucket = scale_bucket
         self.error_feedback, self.downlink = error_feedback, downlink
         self.grid_levels, self.grid_log_size = grid_levels, grid_log_size
         self._grid: GridDownlink | None = None
@@ -192,6 +194,7 @@ class DeltaBroadcast:
             self.compressor,
             seed=derive_seed(self.seed, 0x5E4D, self.version + 1),
             clip_sigma=self.clip_sigma,
+            scale_bucket=self.scale_bucket,
         )
         try:
             payload = encode_update(delta, compressor)
@@ -267,6 +270,7 @@ class DeltaBroadcast:
             clip_sigma=self.clip_sigma,
             error_feedback=self.error_feedback,
             seed=self.seed,
+            scale_bucket=self.scale_bucket,
         ).to_record()
 
 

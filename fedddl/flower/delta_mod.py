@@ -182,7 +182,12 @@ def _spec(broadcast: Broadcast, floats: dict[str, torch.Tensor]) -> PayloadSpec:
     """What the broadcast's updates of ``floats`` must look like."""
     return PayloadSpec.for_shapes(
         {n: tuple(t.shape) for n, t in floats.items()},
-        make_compressor(broadcast.compressor, seed=0, clip_sigma=broadcast.clip_sigma),
+        make_compressor(
+            broadcast.compressor,
+            seed=0,
+            clip_sigma=broadcast.clip_sigma,
+            scale_bucket=broadcast.scale_bucket,
+        ),
         dtypes={n: t.dtype for n, t in floats.items()},
     )
 
@@ -209,7 +214,10 @@ def _compress_reply(
     seed = derive_seed(broadcast.seed, ctxt.node_id, broadcast.version)
     try:
         compressor = make_compressor(
-            broadcast.compressor, seed=seed, clip_sigma=broadcast.clip_sigma
+            broadcast.compressor,
+            seed=seed,
+            clip_sigma=broadcast.clip_sigma,
+            scale_bucket=broadcast.scale_bucket,
         )
         payload = encode_update(delta, compressor, memory)
     except (ValueError, TypeError) as err:  # e.g. NaN weights: send the reply as it is

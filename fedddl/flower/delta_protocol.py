@@ -161,10 +161,11 @@ class Broadcast:
     clip_sigma: float
     error_feedback: bool
     seed: int
+    scale_bucket: int = 0
 
     def to_record(self) -> ConfigRecord:
-        """As the :data:`META` ConfigRecord."""
-        return ConfigRecord(
+        """As the :data:`META` ConfigRecord (``scale-bucket`` only when not 0)."""
+        record = ConfigRecord(
             {
                 "record": self.record,
                 "names": list(self.names),
@@ -177,6 +178,9 @@ class Broadcast:
                 "seed": self.seed,
             }
         )
+        if self.scale_bucket:
+            record["scale-bucket"] = self.scale_bucket
+        return record
 
 
 def _get(meta: ConfigRecord, key: str, kind: type | tuple[type, ...]) -> object:
@@ -209,6 +213,15 @@ def _meta(content: RecordDict) -> ConfigRecord:
     return meta
 
 
+def _scale_bucket(meta: ConfigRecord) -> int:
+    """The optional ``scale-bucket`` key (absent: 0, one scale per tensor)."""
+    if "scale-bucket" not in meta:
+        return 0
+    value = _get(meta, "scale-bucket", int)
+    assert isinstance(value, int)
+    return value
+
+
 def parse_broadcast(content: RecordDict) -> Broadcast:
     """Read and check the :data:`META` record of a server → client message.
 
@@ -228,7 +241,10 @@ def parse_broadcast(content: RecordDict) -> Broadcast:
         clip_sigma=float(_get(meta, "clip-sigma", (int, float))),  # type: ignore[arg-type]
         error_feedback=bool(_get(meta, "error-feedback", bool)),
         seed=int(_get(meta, "seed", int)),  # type: ignore[call-overload]
+        scale_bucket=_scale_bucket(meta),
     )
+    if broadcast.scale_bucket < -1:
+        raise ValueError(f"{META}: scale-bucket must be >= -1, got {broadcast.scale_bucket}")
     if broadcast.version < 1 or not -1 <= broadcast.base <= broadcast.version:
         raise ValueError(
             f"{META}: version {broadcast.version} / base {broadcast.base} are inconsistent"

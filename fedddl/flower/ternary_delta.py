@@ -149,6 +149,9 @@ class TernaryDelta(Strategy):
         size as training goes, so only the round's own replies set the median by default.
     seed : int
         Seed of the compressors' stochastic rounding.
+    scale_bucket : int
+        Scales of the ternary deltas: 0 one per tensor, ``N > 0`` one per bucket of ``N``
+        values, -1 one per output channel (sent to the nodes in :data:`META`).
     """
 
     def __init__(
@@ -170,6 +173,7 @@ class TernaryDelta(Strategy):
         seed: int = 0,
         downlink_steps: int = 1,
         feedback_warmup_rounds: int = 0,
+        scale_bucket: int = 0,
     ) -> None:
         super().__init__()
         if not isinstance(strategy, Strategy):
@@ -182,7 +186,10 @@ class TernaryDelta(Strategy):
             raise ValueError(f"downlink_steps must be >= 1, got {downlink_steps}")
         if not clip_sigma > 0:
             raise ValueError(f"clip_sigma must be > 0, got {clip_sigma}")
-        make_compressor(compressor, seed=0, clip_sigma=clip_sigma)  # unknown name: ValueError
+        make_compressor(  # unknown name, bad scale_bucket: ValueError
+            compressor, seed=0, clip_sigma=clip_sigma, scale_bucket=scale_bucket
+        )
+        self.scale_bucket = scale_bucket
         mode = _downlink_mode(downlink, grid_levels, grid_log_size, resync_interval)
         if mode != "delta" and downlink_steps != 1:
             raise ValueError(f"downlink_steps applies to the delta downlink only, not {mode!r}")
@@ -197,6 +204,7 @@ class TernaryDelta(Strategy):
         self.broadcast = DeltaBroadcast(
             compressor, clip_sigma, error_feedback, mode, update_log_size, seed,
             grid_levels=grid_levels, grid_log_size=grid_log_size, steps=downlink_steps,
+            scale_bucket=scale_bucket,
         )  # fmt: skip
         #: Dropped replies by the kind of error; clipped replies by node; the rounds whose
         #: aggregate was not finite; the last exchange's report.
@@ -464,7 +472,13 @@ class TernaryDelta(Strategy):
         wire = {n: t.to(UPLINK_DTYPE) for n, t in broadcast.floats.items()}
         held = [str(t.numpy().dtype) for t in broadcast.floats.values()]
         admitted = self.admission.admit(
-            compressed, wire, self.version, self.compressor, self.clip_sigma, report
+            compressed,
+            wire,
+            self.version,
+            self.compressor,
+            self.clip_sigma,
+            report,
+            self.scale_bucket,
         )
         for node, delta in admitted:
             index, record, dtypes = position[node]

@@ -158,9 +158,12 @@ class SenderCopies:
         *,
         seed: int,
         clip_sigma: float = DEFAULT_CLIP_SIGMA,
+        scale_bucket: int = 0,
     ) -> None:
         self.compressor_name = compressor
-        self._compressor = make_compressor(compressor, seed=seed, clip_sigma=clip_sigma)
+        self._compressor = make_compressor(
+            compressor, seed=seed, clip_sigma=clip_sigma, scale_bucket=scale_bucket
+        )
         self._initial = {k: v.clone() for k, v in float_tensors(initial).items()}
         if not self._initial:
             raise ValueError("compressed gossip needs a model with floating-point tensors")
@@ -343,6 +346,9 @@ class CompressedGossip:
         Largest absolute weight a received copy may hold.
     clip_sigma : float
         Clipping of ternary compressors.
+    scale_bucket : int
+        Scale buckets of ternary compressors (0: one scale per tensor; see
+        :class:`~fedddl.compression.TernaryCompressor`).
 
     Not thread-safe: the caller serialises all calls (the peer holds a lock).
     """
@@ -356,11 +362,14 @@ class CompressedGossip:
         consensus_step: float = 0.25,
         max_abs_weight: float = math.inf,
         clip_sigma: float = DEFAULT_CLIP_SIGMA,
+        scale_bucket: int = 0,
     ) -> None:
         if not 0.0 < consensus_step <= 1.0:
             raise ValueError(f"consensus_step must be in (0, 1], got {consensus_step}")
         self.consensus_step = float(consensus_step)
-        self.sender = SenderCopies(compressor, initial, seed=seed, clip_sigma=clip_sigma)
+        self.sender = SenderCopies(
+            compressor, initial, seed=seed, clip_sigma=clip_sigma, scale_bucket=scale_bucket
+        )
         self.receiver = ReceiverCopies(initial, max_abs_weight=max_abs_weight)
 
     def expected_bytes(self) -> int:

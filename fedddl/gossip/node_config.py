@@ -35,6 +35,7 @@ class NodeConfig:
     seed: int = 0
     compressor: str = ""  # "" = whole fp32 models; else compressed differences (DELTA)
     consensus_step: float = 0.25  # edge-update step of compressed gossip
+    scale_bucket: int = 0  # scale buckets of a ternary compressor (0: one per tensor)
     limits: AdmissionLimits = field(default_factory=AdmissionLimits)
     hold_limit: int = 64  # frames held before training starts
     clip: float = DEFAULT_CLIP  # clipped gossip multiplier (fedddl.gossip.clip); 0 = off
@@ -53,6 +54,7 @@ class NodeConfig:
             "state_interval_s": self.state_interval_s > 0,
             "max_frame_bytes": self.max_frame_bytes > 0,
             "consensus_step": 0 < self.consensus_step <= 1,
+            "scale_bucket": self.scale_bucket >= -1,
             "hold_limit": self.hold_limit >= 0,
             "clip": self.clip >= 0 and math.isfinite(self.clip),
             "attack": not self.attack or self.attack in GOSSIP_ATTACKS,

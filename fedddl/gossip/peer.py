@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "this registered compressor, e.g. ternary-base3; default: fp32 models")
     p.add_argument("--consensus-step", type=float, default=0.25,
                    help="with --compressor: step of the edge updates")
+    p.add_argument("--scale-bucket", type=int, default=0,
+                   help="with a ternary --compressor: 0 one scale per tensor, N per N "
+                        "values, -1 per output channel")
     p.add_argument("--max-model-rate", type=float, default=50.0,
                    help="model frames per second accepted from (and sent to) one peer")
     p.add_argument("--model-burst", type=int, default=10, help="burst of that rate limit")
@@ -185,6 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             compressor=args.compressor,
             consensus_step=args.consensus_step,
+            scale_bucket=args.scale_bucket,
             limits=limits,
             clip=args.clip,
             attack=args.attack,

@@ -117,6 +117,7 @@ class PeerNode:
                 state,
                 seed=derive_seed(config.seed, config.node_id, 0xC0),
                 consensus_step=config.consensus_step,
+                scale_bucket=config.scale_bucket,
                 max_abs_weight=config.limits.max_abs_weight,
             )
         self.admission = Admission(config.limits)

@@ -67,6 +67,9 @@ class GossipConfig:
     consensus_step
         Step of the compressed gossip's edge updates (replaces ``merge_weight``
         when ``compressor`` is set).
+    scale_bucket
+        Scale buckets of a ternary ``compressor``: 0 one scale per tensor, ``N > 0`` per
+        ``N`` values, -1 per output channel.
     downlink_holds_latency
         Whether a transfer occupies the receiver's downlink during its latency too
         (default, as published) or only while its bytes arrive
@@ -107,6 +110,7 @@ class GossipConfig:
     selection: str = "proportional"
     compressor: str = ""
     consensus_step: float = 0.25
+    scale_bucket: int = 0
     downlink_holds_latency: bool = True
     clip: float = DEFAULT_CLIP
     attack: str = ""
@@ -132,6 +136,7 @@ class GossipConfig:
             (self.stale_threshold_steps >= 0, "stale_threshold_steps must be >= 0"),
             (0.0 <= self.merge_weight <= 1.0, "merge_weight must be in [0, 1]"),
             (0.0 < self.consensus_step <= 1.0, "consensus_step must be in (0, 1]"),
+            (self.scale_bucket >= -1, "scale_bucket must be 0, N > 0 or -1"),
             (0.0 < self.estimator_alpha <= 1.0, "estimator_alpha must be in (0, 1]"),
             (self.seed >= 0, "seed must be >= 0"),
             (

@@ -95,6 +95,7 @@ class GossipSimulation:
                     config.compressor, setup.initial_state,
                     seed=derive_seed(config.seed, i, 0xC0),
                     consensus_step=config.consensus_step,
+                    scale_bucket=config.scale_bucket,
                 )
                 for i in range(n)
             ]

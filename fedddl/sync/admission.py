@@ -34,6 +34,7 @@ from fedddl.sync.reply_checks import (
     apply_clip,
     bound_scales,
     bound_statistics_values,
+    bucket_peaks,
     check_finite,
     check_header,
     check_local_scales,
@@ -89,17 +90,26 @@ class ReplyAdmission:
     def __init__(self, nodes: NodeBook, resyncs: ResyncLimiter) -> None:
         self.nodes = nodes
         self.resyncs = resyncs
-        self._specs: dict[str, PayloadSpec] = {}
+        self._specs: dict[tuple[str, int], PayloadSpec] = {}
         self._warned: set[tuple[int, str]] = set()  # (node, round bound) clips logged
 
     def spec(
-        self, compressor: str, model: nn.Module, clip_sigma: float, dense: frozenset[str]
+        self,
+        compressor: str,
+        model: nn.Module,
+        clip_sigma: float,
+        dense: frozenset[str],
+        scale_bucket: int = 0,
     ) -> PayloadSpec:
-        """What replies encoded with ``compressor`` must look like (cached by name)."""
-        spec = self._specs.get(compressor)
+        """What replies encoded with ``compressor`` (and ``scale_bucket``) must look like
+        (cached by both)."""
+        spec = self._specs.get((compressor, scale_bucket))
         if spec is None:
-            encoder = build_compressor(compressor, seed=0, clip_sigma=clip_sigma)
-            spec = self._specs[compressor] = PayloadSpec.for_model(model, encoder, dense=dense)
+            encoder = build_compressor(
+                compressor, seed=0, clip_sigma=clip_sigma, scale_bucket=scale_bucket
+            )
+            spec = PayloadSpec.for_model(model, encoder, dense=dense)
+            self._specs[(compressor, scale_bucket)] = spec
         return spec
 
     def screen(
@@ -194,8 +204,10 @@ def _contribution(
     """One screened reply's values (``decoded``, else decoded into ``scratch``) through
     :data:`VALUE_CHECKS`; None (and a drop) if they fail."""
     reply = item.reply
-    scales = {e.name: e.scale for e in item.entries if e.codec is not None}
-    peaks = dense_peaks(item.entries)
+    scales = {e.name: e.scale for e in item.entries if e.codec is not None and not e.bucket}
+    # an entry with scale buckets is bounded by its largest bucket scale, and clipped by
+    # clamping (each bucket's scale to at most the cap), like a dense entry
+    peaks = {**dense_peaks(item.entries), **bucket_peaks(item.entries)}
     try:
         try:
             values = item.message.decode(out=scratch) if decoded is None else decoded

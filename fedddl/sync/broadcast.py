@@ -40,6 +40,8 @@ class Broadcast:
         Clipping of compressors with the ``ternary`` capability.
     defenses : Defenses
         Chooses the aggregator (:mod:`fedddl.sync.robust`).
+    scale_bucket : int
+        Scale buckets of the re-encoded downlink's ternary compressor (0: per tensor).
 
     Attributes
     ----------
@@ -57,8 +59,10 @@ class Broadcast:
         seed: int,
         clip_sigma: float,
         defenses: Defenses,
+        scale_bucket: int = 0,
     ) -> None:
         self.param_names = list(param_names)
+        self.scale_bucket = scale_bucket
         self.dense = dense
         self.seed = seed
         self.clip_sigma = clip_sigma
@@ -98,6 +102,7 @@ class Broadcast:
             compressor,
             seed=derive_seed(self.seed, server_round, 1 << 40),
             clip_sigma=self.clip_sigma,
+            scale_bucket=self.scale_bucket,
         )
         payload = encode_reencoded(aggregate.gradient, encoder, self.memory, dense=self.dense)
         return encode_bundle(payload, statistics=aggregate.statistics), "encoded"

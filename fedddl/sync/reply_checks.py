@@ -237,6 +237,12 @@ def dense_peaks(entries: list[EntryHeader]) -> dict[str, float]:
     }
 
 
+def bucket_peaks(entries: list[EntryHeader]) -> dict[str, float]:
+    """The largest magnitudes of the ternary entries with scale buckets: their largest
+    bucket scale (each value is ``s_b × code``, ``s_b <=`` it)."""
+    return {e.name: e.scale for e in entries if e.codec is not None and e.bucket}
+
+
 def _clip_ternary(values: torch.Tensor, bound: float) -> float:
     """Make decoded ternary ``values`` exactly ``bound × code`` (in place); return the scale."""
     scale = float(np.float32(bound))

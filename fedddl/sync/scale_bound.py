@@ -26,7 +26,12 @@ bound (and the cap); ``weight = 0`` disables the cap (clipping then goes to the 
 A dense entry (TernGrad's fp32-exempt tensors, a compressor's small tensors sent
 uncompressed) is bounded the same way by its largest magnitude
 (:attr:`~fedddl.compression.codecs.wire.EntryHeader.peak`, measured from the header's dense data
-before anything else is decoded); clipping it clamps its values to ``± cap``.
+before anything else is decoded); clipping it clamps its values to ``± cap``. A ternary entry
+with scale buckets (``scale-bucket``) is bounded by its header scale, the largest of its bucket
+scales (the tensor's scale without buckets, the largest clipped ``|g|``, to within one
+float32 rounding),
+and clipping clamps its values to ``± cap``: each bucket's scale becomes at most the cap, the
+codes are kept, and buckets already under the cap keep their scale.
 """
 
 from __future__ import annotations

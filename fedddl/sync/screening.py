@@ -36,14 +36,15 @@ from fedddl.compression import (
     TernaryCompressor,
     open_message,
 )
+from fedddl.compression.algorithms.ternary_buckets import bucket_of
 from fedddl.sync.errors import PayloadRejected
 
 __all__ = ["PayloadSpec"]
 
 # Fixed bytes of a message (prefix + CRC) and the largest per-entry header besides the
-# name and the dims: u16 name length, dtype, kind, ndim, f32 scale.
+# name and the dims: u16 name length, dtype, kind, ndim, f32 scale, u32 bucket size.
 _MESSAGE_OVERHEAD = 18 + 4
-_ENTRY_OVERHEAD = 2 + 3 + 4
+_ENTRY_OVERHEAD = 2 + 3 + 4 + 4
 _LARGEST_ITEMSIZE = 8  # float64, the widest dtype of the wire format
 
 
@@ -66,6 +67,8 @@ class PayloadSpec:
         Tensors that are always sent dense (the fp32 exemptions).
     dtypes : dict[str, torch.dtype] | None
         The dtype each entry must have (None: any floating dtype).
+    buckets : dict[str, int] | None
+        The scale-bucket size each ternary entry must have (0: one scale; None: any).
     """
 
     shapes: dict[str, tuple[int, ...]]
@@ -74,6 +77,7 @@ class PayloadSpec:
     max_bytes: int
     dense_names: frozenset[str] = frozenset()
     dtypes: dict[str, torch.dtype] | None = None
+    buckets: dict[str, int] | None = None
 
     @classmethod
     def for_model(
@@ -107,14 +111,22 @@ class PayloadSpec:
         )
         codecs: frozenset[str] | None
         dense_below: int | None
+        buckets: dict[str, int] | None = None
         if isinstance(compressor, TernaryCompressor):
             codecs, dense_below = frozenset({compressor.codec}), compressor.min_numel
+            buckets = {n: bucket_of(s, compressor.scale_bucket) for n, s in shapes.items()}
         elif isinstance(compressor, IdentityCompressor):
             codecs, dense_below = frozenset(), None
         else:  # a plug-in: its payload kinds are not known in advance
             codecs, dense_below = None, None
         return cls(
-            shapes, codecs, dense_below, max_bytes, frozenset(dense) & set(shapes), dtypes
+            shapes,
+            codecs,
+            dense_below,
+            max_bytes,
+            frozenset(dense) & set(shapes),
+            dtypes,
+            buckets,
         )
 
     def check(self, payload: bytes, node: int) -> OpenedMessage:
@@ -181,4 +193,9 @@ class PayloadSpec:
             raise PayloadRejected(
                 f"{what}: tensor {entry.name!r} uses codec {entry.codec!r}, expected "
                 f"{' or '.join(expected)}"
+            )
+        elif self.buckets is not None and entry.bucket != self.buckets[entry.name]:
+            raise PayloadRejected(
+                f"{what}: tensor {entry.name!r} has scale buckets of {entry.bucket} values, "
+                f"expected {self.buckets[entry.name]} (0: one scale)"
             )

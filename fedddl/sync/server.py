@@ -93,6 +93,7 @@ class ReplicaServer:
         grid_log_size: int = DEFAULT_GRID_LOG_SIZE,
         defenses: Defenses | None = None,
         hooks: ServerHooks | None = None,
+        scale_bucket: int = 0,
     ) -> None:
         if downlink not in DOWNLINKS:
             hint = " (resolve 'auto': AppConfig.resolved_downlink)" if downlink == "auto" else ""
@@ -103,6 +104,10 @@ class ReplicaServer:
             raise ValueError(f"min_replies must be >= 1, got {min_replies}")
         if fp32_warmup_rounds < 0:
             raise ValueError(f"fp32_warmup_rounds must be >= 0, got {fp32_warmup_rounds}")
+        if scale_bucket and downlink == "shared-scale-sum":
+            raise ValueError(
+                "the shared-scale-sum downlink needs one scale per tensor (scale-bucket 0)"
+            )
         self.hooks: ServerHooks = self if hooks is None else hooks
         self.compressor = compressor
         self.clip_sigma = clip_sigma
@@ -111,7 +116,10 @@ class ReplicaServer:
         self.min_replies = min_replies
         self.fp32_warmup_rounds = fp32_warmup_rounds
         self.round_offset = 0
-        build_compressor(self.hooks.compressor_name(), seed=0, clip_sigma=clip_sigma)  # validates
+        self.scale_bucket = scale_bucket
+        build_compressor(  # validates
+            self.hooks.compressor_name(), seed=0, clip_sigma=clip_sigma, scale_bucket=scale_bucket
+        )
         self.defenses = defenses if defenses is not None else Defenses()
         self.scale_bound = self._new_scale_bound()
         self.direction = DirectionCheck(self.defenses.direction_check)
@@ -136,7 +144,9 @@ class ReplicaServer:
         self.planner = CatchUpPlanner(self.defenses.resync_interval)
         self.admission = ReplyAdmission(self.planner.nodes, self.planner.resyncs)
         names = self.replica.param_names
-        self.broadcast = Broadcast(names, self.dense, seed, clip_sigma, self.defenses)
+        self.broadcast = Broadcast(
+            names, self.dense, seed, clip_sigma, self.defenses, scale_bucket=scale_bucket
+        )
         self._round = 0
         self.reports: list[RoundReport] = []
 
@@ -270,7 +280,9 @@ class ReplicaServer:
         name = self.compressor_for(server_round)
         return RoundRules(
             validate=self.hooks.validate_reply,
-            spec=self.admission.spec(name, self.shadow.model, self.clip_sigma, self.dense),
+            spec=self.admission.spec(
+                name, self.shadow.model, self.clip_sigma, self.dense, self.scale_bucket
+            ),
             shared_sum=self.wants_shared_sum(server_round),
             num_tensors=len(self.replica.param_names),
             model=self.shadow.model,

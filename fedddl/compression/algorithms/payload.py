@@ -5,7 +5,8 @@ Only two payload kinds exist, because the wire format
 
 * :class:`DensePayload`: the tensor's values, uncompressed, in their own dtype.
 * :class:`TernaryPayload`: packed ternary codes plus one float32 scale ``s``;
-  element ``i`` decodes to ``s * c_i`` with ``c_i`` in ``{-1, 0, +1}``.
+  element ``i`` decodes to ``s * c_i`` with ``c_i`` in ``{-1, 0, +1}`` (or, with scale
+  buckets, to ``s_b * c_i`` with ``s_b`` the scale of its bucket and ``s = max s_b``).
 
 A user-defined :class:`~fedddl.compression.Compressor` must return one of these.
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedddl.compression.backends.buckets import bucket_count, unpack_bucketed
 from fedddl.compression.backends.device_kernels import unpack_codes as unpack_on_device
 from fedddl.compression.backends.packing import CODECS
 from fedddl.compression.backends.unpacking import unpack_codes
@@ -83,12 +85,20 @@ class TernaryPayload:
         Number of packed values.
     codec:
         ``"2bit"`` (4 codes per byte) or ``"base3"`` (5 codes per byte).
+    bucket:
+        0: one scale for the tensor. ``N > 0``: one scale per bucket of ``N`` consecutive
+        values (:mod:`fedddl.compression.backends.buckets`), in ``bucket_scales``, and
+        ``scale`` is their maximum.
+    bucket_scales:
+        With ``bucket > 0``: the float32 scales of the ``ceil(numel / N)`` buckets.
     """
 
     codes: torch.Tensor
     scale: float
     numel: int
     codec: str
+    bucket: int = 0
+    bucket_scales: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
@@ -99,6 +109,24 @@ class TernaryPayload:
             raise ValueError(
                 f"scale {self.scale!r} is not exactly a float32 (the wire stores float32)"
             )
+        if self.bucket or self.bucket_scales is not None:
+            self._check_buckets()
+
+    def _check_buckets(self) -> None:
+        scales = self.bucket_scales
+        if not isinstance(self.bucket, int) or self.bucket < 1 or scales is None:
+            raise ValueError(f"bucket must be an int >= 1 with bucket_scales, got {self.bucket!r}")
+        count = bucket_count(self.numel, self.bucket)
+        if scales.dtype != torch.float32 or tuple(scales.shape) != (count,):
+            raise ValueError(
+                f"bucket_scales must be {count} float32 values, got "
+                f"{tuple(scales.shape)} {scales.dtype}"
+            )
+        if count and not (bool(torch.isfinite(scales).all()) and float(scales.min()) >= 0):
+            raise ValueError("bucket scales must be finite and >= 0")
+        largest = float(scales.max()) if count else 0.0
+        if largest != self.scale:
+            raise ValueError(f"scale {self.scale} is not the largest bucket scale")
 
 
 Payload = DensePayload | TernaryPayload
@@ -143,6 +171,13 @@ def decompress_payload(payload: Payload, ctx: Context) -> torch.Tensor:
     if isinstance(payload, TernaryPayload):
         if payload.numel != ctx.numel:
             raise ValueError(f"payload has {payload.numel} values, context needs {ctx.numel}")
+        if payload.bucket:
+            assert payload.bucket_scales is not None
+            flat = unpack_bucketed(
+                payload.codes.cpu(), payload.numel, payload.bucket_scales.cpu(), payload.bucket,
+                payload.codec,
+            )
+            return flat.to(ctx.dtype).reshape(ctx.shape).to(ctx.device)
         if ctx.device.type != "cpu":  # unpack where the sender's tensor lives
             out = torch.empty(payload.numel, dtype=ctx.dtype, device=ctx.device)
             codes = payload.codes.to(ctx.device)

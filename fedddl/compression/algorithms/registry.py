@@ -64,11 +64,14 @@ def get_compressor(name: str, **kwargs: Any) -> Compressor:
     return compressor
 
 
-def make_compressor(name: str, *, seed: int, clip_sigma: float) -> Compressor:
+def make_compressor(
+    name: str, *, seed: int, clip_sigma: float, scale_bucket: int = 0
+) -> Compressor:
     """Build the compressor registered as ``name`` for one use (one message, one seed).
 
     A compressor whose :attr:`~fedddl.compression.Compressor.ternary` capability is set
-    is built with ``seed`` and ``clip_sigma``; any other with its factory's defaults.
+    is built with ``seed`` and ``clip_sigma`` (and ``scale_bucket`` when not 0: its factory
+    must accept it); any other with its factory's defaults.
 
     Raises
     ------
@@ -85,6 +88,13 @@ def make_compressor(name: str, *, seed: int, clip_sigma: float) -> Compressor:
         ternary = _TERNARY[name] = bool(compressor.ternary)
         if not ternary:
             return compressor
+    if ternary and scale_bucket:
+        try:
+            return get_compressor(
+                name, seed=seed, clip_sigma=clip_sigma, scale_bucket=scale_bucket
+            )
+        except TypeError as error:
+            raise ValueError(f"compressor {name!r} does not take scale_bucket: {error}") from None
     if ternary:
         return get_compressor(name, seed=seed, clip_sigma=clip_sigma)
     return get_compressor(name)

@@ -17,6 +17,11 @@ from fedddl.compression.algorithms.payload import (
     TernaryPayload,
     check_float_tensor,
 )
+from fedddl.compression.algorithms.ternary_buckets import (
+    bucket_of,
+    check_scale_bucket,
+    prepare_buckets,
+)
 from fedddl.compression.backends import device_path
 from fedddl.compression.backends.packing import CODECS, packed_size
 from fedddl.compression.backends.statistics import (
@@ -63,6 +68,12 @@ class TernaryCompressor(Compressor):
         (e.g. biases).
     codec:
         ``"2bit"`` (4 codes per byte) or ``"base3"`` (5 codes per byte).
+    scale_bucket:
+        0: one scaler per tensor. ``N > 0``: one per bucket of ``N`` consecutive values;
+        ``-1``: one per output channel (:mod:`fedddl.compression.algorithms.ternary_buckets`).
+        Each bucket's scaler is its ``max|g_clipped|`` (clipping stays per tensor) and its
+        values fire with probability ``|g_clipped| / s_b``. Shared scales (``scale=``) need 0;
+        tensors off the CPU are ternarised on the host.
 
     Notes
     -----
@@ -85,6 +96,7 @@ class TernaryCompressor(Compressor):
         threshold: float = 0.5,
         min_numel: int = 0,
         codec: str = "2bit",
+        scale_bucket: int = 0,
     ) -> None:
         if clip_sigma is not None and not (math.isfinite(clip_sigma) and clip_sigma > 0):
             raise ValueError(f"clip_sigma must be positive and finite, or None; got {clip_sigma}")
@@ -100,6 +112,7 @@ class TernaryCompressor(Compressor):
         self.threshold = float(threshold)
         self.min_numel = min_numel
         self.codec = codec
+        self.scale_bucket = check_scale_bucket(scale_bucket)
         self._bits = RandomBits(seed)
         self._generators = device_path.DeviceGenerators(seed)  # the torch path's
         if codec == "base3":
@@ -109,7 +122,8 @@ class TernaryCompressor(Compressor):
         return (
             f"TernaryCompressor(clip_sigma={self.clip_sigma}, seed={self.seed}, "
             f"deterministic={self.deterministic}, threshold={self.threshold}, "
-            f"min_numel={self.min_numel}, codec={self.codec!r})"
+            f"min_numel={self.min_numel}, codec={self.codec!r}"
+            + (f", scale_bucket={self.scale_bucket})" if self.scale_bucket else ")")
         )
 
     def _bounds(self, stats: TensorStatistics) -> tuple[float, float | None]:
@@ -172,7 +186,7 @@ class TernaryCompressor(Compressor):
         scales: Sequence[float | None] | None,
         label_errors: bool,
     ) -> list[tuple[Payload, Context]]:
-        if device_path.uses_torch_path(tensors):  # off the CPU: torch ops on the device
+        if not self.scale_bucket and device_path.uses_torch_path(tensors):  # torch ops there
             return ternary_device.compress_batch(self, tensors, scales, label_errors)
         scales = [None] * len(tensors) if scales is None else list(scales)
         if len(scales) != len(tensors):
@@ -200,30 +214,51 @@ class TernaryCompressor(Compressor):
             peak, bound = self._bounds(tensor_stats)
             try:
                 used = self._used_scale(peak if bound is None else bound, scales[index])
+                if scales[index] is not None and bucket_of(ctx.shape, self.scale_bucket):
+                    raise ValueError("shared scales need one scale per tensor (scale_bucket=0)")
             except ValueError as error:
                 raise label(index, error) from error
             chosen.append((index, flat, ctx, used, bound))
         # nothing can fail from here on: only now does the random stream move
         stochastic = []
+        buckets: dict[int, tuple[int, torch.Tensor]] = {}  # index -> (bucket, its scales)
         for index, flat, ctx, used, bound in chosen:
+            bucket = bucket_of(ctx.shape, self.scale_bucket)  # by shape alone (spec checks)
+            if bucket:  # ternarised as values / bucket scale against a scale of 1
+                flat, bucket_scales, used = prepare_buckets(flat, bucket, bound)
+                buckets[index] = (bucket, bucket_scales)
+                bound, unit = None, 1.0
+            else:
+                unit = used
             if used == 0.0:  # all-zero tensor
                 packed = torch.zeros(packed_size(flat.numel(), self.codec), dtype=torch.uint8)
             elif self.deterministic:
-                packed = ternarize_deterministic(flat, used, bound, self.threshold, self.codec)
+                packed = ternarize_deterministic(flat, unit, bound, self.threshold, self.codec)
             else:
-                stochastic.append((index, flat, ctx, used, bound))
+                stochastic.append((index, flat, ctx, used, unit, bound))
                 continue
-            results[index] = (TernaryPayload(packed, used, flat.numel(), self.codec), ctx)
+            results[index] = (self._payload(packed, used, flat.numel(), buckets.get(index)), ctx)
         codes = ternarize_stochastic_batch(
-            [flat for _, flat, _, _, _ in stochastic],
-            [used for _, _, _, used, _ in stochastic],
-            [bound for _, _, _, _, bound in stochastic],
+            [flat for _, flat, _, _, _, _ in stochastic],
+            [unit for _, _, _, _, unit, _ in stochastic],
+            [bound for _, _, _, _, _, bound in stochastic],
             self._bits,
             self.codec,
         )
-        for (index, flat, ctx, used, _), packed in zip(stochastic, codes, strict=True):
-            results[index] = (TernaryPayload(packed, used, flat.numel(), self.codec), ctx)
+        for (index, flat, ctx, used, _, _), packed in zip(stochastic, codes, strict=True):
+            results[index] = (self._payload(packed, used, flat.numel(), buckets.get(index)), ctx)
         return [result for result in results if result is not None]
+
+    def _payload(
+        self,
+        packed: torch.Tensor,
+        scale: float,
+        numel: int,
+        buckets: tuple[int, torch.Tensor] | None,
+    ) -> TernaryPayload:
+        if buckets is None:
+            return TernaryPayload(packed, scale, numel, self.codec)
+        return TernaryPayload(packed, scale, numel, self.codec, *buckets)
 
     def _prepare(
         self,
@@ -234,7 +269,7 @@ class TernaryCompressor(Compressor):
     ) -> tuple[Payload, Context] | None:
         """The result for a tensor that needs no statistics, else queue it in ``pending``."""
         check_float_tensor(tensor)
-        ctx = Context(tuple(tensor.shape), tensor.dtype)
+        ctx = Context(tuple(tensor.shape), tensor.dtype, tensor.device)
         detached = tensor.detach()
         if tensor.numel() < self.min_numel:
             if scale is not None:
@@ -286,7 +321,10 @@ class TernaryEntropyCompressor(TernaryCompressor):
         deterministic: bool = False,
         threshold: float = 0.5,
         min_numel: int = 0,
+        scale_bucket: int = 0,
     ) -> None:
+        if scale_bucket:  # the FDTE body carries no format version for bucket entries
+            raise ValueError("ternary-entropy sends one scale per tensor; use scale_bucket=0")
         super().__init__(clip_sigma, seed, deterministic, threshold, min_numel, codec="base3")
         self.name = "ternary-entropy"
 

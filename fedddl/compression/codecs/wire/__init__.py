@@ -17,6 +17,7 @@ from fedddl.compression.codecs.limits import (
 from fedddl.compression.codecs.wire.decode import decode_update
 from fedddl.compression.codecs.wire.encode import encode_update
 from fedddl.compression.codecs.wire.layout import (
+    BUCKETS_VERSION,
     FORMAT_VERSION,
     MAGIC,
     MAX_DIM,
@@ -33,6 +34,7 @@ from fedddl.compression.codecs.wire.opened import (
 )
 
 __all__ = [
+    "BUCKETS_VERSION",
     "DEFAULT_MAX_BYTES",
     "DEFAULT_MAX_TENSORS",
     "DEFAULT_MAX_VALUES",

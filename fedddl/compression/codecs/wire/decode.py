@@ -30,6 +30,7 @@ from fedddl.compression.codecs.limits import (
     DEFAULT_MAX_VALUES,
     limits_for,
 )
+from fedddl.compression.codecs.wire.bucket_entries import check_bucket_data, decode_bucket_data
 from fedddl.compression.codecs.wire.header import Layout, as_view, validated_entries
 from fedddl.compression.codecs.wire.layout import (
     CODEC_OF_KIND,
@@ -54,7 +55,7 @@ def check_out(
             f"the message's tensors do not match out: not in out {missing}, "
             f"not in the message {unexpected}"
         )
-    for name, _, _, shape, _ in entries:
+    for name, _, _, shape, _, _ in entries:
         target = check_float_tensor(out[name])
         if tuple(target.shape) != shape:
             raise PayloadError(
@@ -79,10 +80,13 @@ def _decode_entry(
 ) -> torch.Tensor:
     """Decode one validated entry into ``target``, a tensor that is not written directly
     (another dtype or device, not contiguous): decoded, then copied in with a cast."""
-    _, dtype, kind, shape, scale = entry
+    _, dtype, kind, shape, scale, bucket = entry
     if kind == KIND_DENSE:
         values = torch.empty(shape, dtype=dtype)
         copy_bytes(values.reshape(-1).view(torch.uint8).numpy(), raw.numpy())
+    elif bucket:
+        values = decode_bucket_data(raw.numpy(), math.prod(shape), bucket, CODEC_OF_KIND[kind])
+        values = values.to(dtype).reshape(shape)
     else:
         values = unpack_codes(raw, math.prod(shape), scale, CODEC_OF_KIND[kind])
         values = values.to(dtype).reshape(shape)
@@ -167,8 +171,16 @@ def decode_layout(
     dense_targets: list[np.ndarray[Any, Any]] = []  # fp32 etc. copied as bytes, in one pass
     dense_sources: list[np.ndarray[Any, Any]] = []
     for entry, raw in zip(entries, raws, strict=True):
-        name, dtype, kind, shape, scale = entry
+        name, dtype, kind, shape, scale, bucket = entry
         target = None if out is None else out[name]
+        if bucket:  # scale buckets: decoded on their own (then copied into a target)
+            if target is None:
+                numel, codec = math.prod(shape), CODEC_OF_KIND[kind]
+                values = decode_bucket_data(raw.numpy(), numel, bucket, codec)
+                result[name] = values.to(dtype).reshape(shape)
+            else:
+                result[name] = _decode_entry(raw, entry, target)
+            continue
         if kind == KIND_DENSE:
             if target is None and raw.numel() <= _SMALL_DENSE_BYTES:  # fewer steps than below
                 result[name] = raw.clone().view(dtype).reshape(shape)
@@ -196,7 +208,7 @@ def decode_layout(
     copy_pieces(dense_targets, dense_sources)
     unpack_codes_batch(into_buffers)
     unpack_into(on_device)
-    for (name, dtype, _, shape, _), flat in zip(
+    for (name, dtype, _, shape, _, _), flat in zip(
         new_entries, unpack_codes_new(new_items), strict=True
     ):
         result[name] = flat.to(dtype).reshape(shape)
@@ -209,9 +221,11 @@ def fits_small_path(
 ) -> bool:
     """Whether every entry goes straight into a float32 CPU buffer, and the message is small
     (:func:`~fedddl.compression.backends.unpacking.is_small`): ternary entries of any dtype (their
-    values are computed in float32) and float32 dense ones."""
+    values are computed in float32) and float32 dense ones; no entry with scale buckets."""
     numel = 0
-    for name, dtype, kind, shape, _ in entries:
+    for name, dtype, kind, shape, _, bucket in entries:
+        if bucket:
+            return False
         target = out[name]
         if unpacks_on_device(target) or not _is_direct_target(target, torch.float32):
             return False
@@ -231,10 +245,14 @@ def _checked_data(layout: Layout) -> list[np.ndarray[Any, Any]]:
     """
     sources = []
     offset = layout.start
-    for (name, _, kind, shape, _), size in zip(layout.entries, layout.sizes, strict=True):
+    for (name, _, kind, shape, scale, bucket), size in zip(
+        layout.entries, layout.sizes, strict=True
+    ):
         source = np.frombuffer(layout.body, dtype=np.uint8, count=size, offset=offset)
         offset += size
-        if kind != KIND_DENSE:
+        if bucket:
+            check_bucket_data(name, source, math.prod(shape), scale, bucket, CODEC_OF_KIND[kind])
+        elif kind != KIND_DENSE:
             problem = invalid_codes(source, math.prod(shape), CODEC_OF_KIND[kind])
             if problem is not None:
                 raise PayloadError(f"tensor {name!r}: {problem}")
@@ -249,7 +267,7 @@ def _decode_small(layout: Layout, out: Mapping[str, torch.Tensor]) -> dict[str, 
     sources = _checked_data(layout)
     # everything is validated: from here on nothing can fail on the message's account
     result = {}
-    for (name, _, kind, shape, scale), source in zip(layout.entries, sources, strict=True):
+    for (name, _, kind, shape, scale, _), source in zip(layout.entries, sources, strict=True):
         target = out[name]
         flat = target.detach().reshape(-1).numpy()
         if kind == KIND_DENSE:

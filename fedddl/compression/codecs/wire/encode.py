@@ -28,6 +28,8 @@ from fedddl.compression.backends.packing import (
 from fedddl.compression.codecs.entropy import seal_entropy_coded
 from fedddl.compression.codecs.message_buffer import MessageBuffer, NonFiniteValues
 from fedddl.compression.codecs.wire.layout import (
+    BUCKET_KIND_OF_CODEC,
+    BUCKETS_VERSION,
     COUNT,
     DTYPE_CODES,
     FORMAT_VERSION,
@@ -59,7 +61,12 @@ def _entry_header(name: str, payload: Payload, ctx: Context) -> bytes:
         raise ValueError(f"tensor {name!r} has {len(ctx.shape)} > {MAX_NDIM} dimensions")
     if ctx.dtype not in DTYPE_CODES:
         raise ValueError(f"tensor {name!r} has unsupported dtype {ctx.dtype}")
-    kind = KIND_DENSE if isinstance(payload, DensePayload) else KIND_OF_CODEC[payload.codec]
+    if isinstance(payload, DensePayload):
+        kind = KIND_DENSE
+    elif payload.bucket:
+        kind = BUCKET_KIND_OF_CODEC[payload.codec]
+    else:
+        kind = KIND_OF_CODEC[payload.codec]
     parts = [
         struct.pack("<H", len(name_bytes)),
         name_bytes,
@@ -68,6 +75,8 @@ def _entry_header(name: str, payload: Payload, ctx: Context) -> bytes:
     ]
     if isinstance(payload, TernaryPayload):
         parts.append(struct.pack("<f", payload.scale))
+        if payload.bucket:
+            parts.append(struct.pack("<I", payload.bucket))
     return b"".join(parts)
 
 
@@ -80,6 +89,10 @@ def _entry_data(name: str, payload: Payload, ctx: Context) -> memoryview:
         payload.numel, payload.codec
     ):
         raise ValueError(f"tensor {name!r}: ternary payload size does not match its context")
+    if payload.bucket:  # the bucket scales (float32, little-endian), then the codes
+        assert payload.bucket_scales is not None  # TernaryPayload checks it
+        scales = payload.bucket_scales.detach().cpu().numpy().astype("<f4").tobytes()
+        return memoryview(scales + bytes(_raw_bytes(payload.codes)))
     return _raw_bytes(payload.codes)
 
 
@@ -212,6 +225,9 @@ def encode_update(
         compressed = _compress_all(names, inputs, shared, compressor, batch)
     else:
         compressed = _compress_all(names, inputs, shared, compressor)
+    bucketed = any(isinstance(p, TernaryPayload) and p.bucket for p, _ in compressed)
+    if bucketed and compressor.entropy_coding:
+        raise ValueError("entropy-coded messages carry one scale per tensor, not scale buckets")
     headers: list[bytes] = []
     data: list[memoryview] = []
     pending: list[tuple[str, torch.Tensor, Payload, Context]] = []
@@ -238,7 +254,8 @@ def encode_update(
             return coded
     elif compressor.entropy_coding:
         raise ValueError(f"unknown entropy coding {compressor.entropy_coding!r}")
-    prefix = PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(headers), total)
+    version = BUCKETS_VERSION if bucketed else FORMAT_VERSION
+    prefix = PREFIX.pack(MAGIC, version, 0, len(headers), total)
     if into is not None:  # the CRC is computed as the buffer is filled
         checked = [  # float32 payloads: part 0 is the prefix and the headers, then the data
             1 + k

@@ -14,13 +14,15 @@ from fedddl.compression.codecs.entropy import EntropyFrame, check_entropy_coded
 from fedddl.compression.codecs.errors import PayloadError, PayloadLimitError
 from fedddl.compression.codecs.limits import check_limit
 from fedddl.compression.codecs.wire.layout import (
+    BUCKET,
+    BUCKET_KINDS,
+    BUCKETS_VERSION,
     COUNT,
     DTYPE_OF_CODE,
     ENTRY_CODES,
     FORMAT_VERSION,
-    KIND_2BIT,
-    KIND_BASE3,
     KIND_DENSE,
+    KINDS_OF_VERSION,
     MAGIC,
     MAX_DIM,
     MAX_NAME_BYTES,
@@ -39,8 +41,11 @@ from fedddl.framing import CRC, check_crc, check_magic
 
 __all__ = ["Layout", "as_view", "validated_entries"]
 
-#: The longest header an entry can have: name length, name, dtype, kind, ndim, dims, scale.
-MAX_ENTRY = NAME_LENGTH.size + MAX_NAME_BYTES + ENTRY_CODES.size + 8 * MAX_NDIM + SCALE.size
+#: The longest header an entry can have: name length, name, dtype, kind, ndim, dims, scale,
+#: bucket size.
+MAX_ENTRY = (
+    NAME_LENGTH.size + MAX_NAME_BYTES + ENTRY_CODES.size + 8 * MAX_NDIM + SCALE.size + BUCKET.size
+)
 
 class _Reader:
     """Bounds-checked sequential reads of the header.
@@ -70,8 +75,9 @@ class _Reader:
         return layout.unpack_from(self.data, self._advance(layout.size, what, args))
 
 
-def _read_prefix(view: memoryview) -> int:
-    """The tensor count, after checking the magic, the version and the length."""
+def _read_prefix(view: memoryview) -> tuple[int, int]:
+    """The tensor count and the format version, after checking the magic, the version and
+    the length."""
     if len(view) < PREFIX.size + CRC.size:
         raise PayloadError(f"truncated: {len(view)} bytes is shorter than the fixed header")
     magic, version, _, count, total = PREFIX.unpack_from(view)
@@ -80,14 +86,14 @@ def _read_prefix(view: memoryview) -> int:
         magic,
         version,
         expected_magic=MAGIC,
-        expected_version=FORMAT_VERSION,
+        expected_version=version if version in KINDS_OF_VERSION else FORMAT_VERSION,
         error=PayloadError,
     )
     if len(view) < total:
         raise PayloadError(f"truncated: header declares {total} bytes, got {len(view)}")
     if len(view) > total:
         raise PayloadError(f"{len(view) - total} trailing bytes after the declared {total}")
-    return int(count)
+    return int(count), int(version)
 
 
 def _check_crc_and_flags(view: memoryview) -> None:
@@ -106,7 +112,13 @@ def _check_crc_and_flags(view: memoryview) -> None:
 
 
 def _within_limits(
-    view: memoryview, count: int, start: int, end: int, max_tensors: int, max_values: int
+    view: memoryview,
+    count: int,
+    start: int,
+    end: int,
+    max_tensors: int,
+    max_values: int,
+    version: int,
 ) -> tuple[list[Entry], int] | None:
     """The entries of a message not yet checked against its CRC, or None if they are
     malformed (the CRC check then says whether they are corrupt).
@@ -120,7 +132,7 @@ def _within_limits(
         return None  # an implausible count: corrupt or hostile, the checks after the CRC say
     check_limit(count, max_tensors, "tensors", "max_tensors")
     try:
-        return _parse_entries(view, count, start, end, max_values)
+        return _parse_entries(view, count, start, end, max_values, version)
     except PayloadLimitError:
         raise
     except PayloadError:
@@ -133,8 +145,9 @@ def _check_count(count: int, body_size: int) -> None:
 
 
 def _parse_entries(
-    view: memoryview, count: int, start: int, end: int, max_values: int
+    view: memoryview, count: int, start: int, end: int, max_values: int, version: int
 ) -> tuple[list[Entry], int]:
+    kinds = KINDS_OF_VERSION[version]
     reader = _Reader(view, start, end)
     entries = []
     values = 0
@@ -153,7 +166,12 @@ def _parse_entries(
         dtype_code, kind, ndim = reader.unpack(ENTRY_CODES, "{!r} header", name)
         if dtype_code not in DTYPE_OF_CODE:
             raise PayloadError(f"tensor {name!r}: unknown dtype code {dtype_code}")
-        if kind not in (KIND_DENSE, KIND_2BIT, KIND_BASE3):
+        if kind not in kinds:
+            if kind in BUCKET_KINDS:
+                raise PayloadError(
+                    f"tensor {name!r}: kind {kind} (scale buckets) needs format version "
+                    f"{BUCKETS_VERSION}, the message is version {version}"
+                )
             raise PayloadError(f"tensor {name!r}: unknown kind {kind}")
         if ndim > MAX_NDIM:
             raise PayloadError(f"tensor {name!r}: {ndim} dimensions exceed {MAX_NDIM}")
@@ -172,7 +190,12 @@ def _parse_entries(
             if raw_scale < 0:
                 raise PayloadError(f"tensor {name!r}: negative scale {raw_scale}")
             scale = raw_scale
-        entries.append((name, DTYPE_OF_CODE[dtype_code], kind, shape, scale))
+        bucket = 0
+        if kind in BUCKET_KINDS:
+            (bucket,) = reader.unpack(BUCKET, "bucket size of {!r}", name)
+            if bucket < 1:
+                raise PayloadError(f"tensor {name!r}: bucket size {bucket} is not >= 1")
+        entries.append((name, DTYPE_OF_CODE[dtype_code], kind, shape, scale, bucket))
     return entries, reader.pos
 
 @dataclass(frozen=True)
@@ -207,7 +230,7 @@ def _check_entropy_head(frame: EntropyFrame, max_tensors: int, max_values: int) 
     (count,) = COUNT.unpack_from(frame.head(COUNT.size))
     check_limit(count, max_tensors, "tensors", "max_tensors")
     head = frame.head(COUNT.size + count * MAX_ENTRY)
-    _parse_entries(head, count, COUNT.size, len(head), max_values)
+    _parse_entries(head, count, COUNT.size, len(head), max_values, FORMAT_VERSION)
 
 
 def validated_entries(
@@ -228,19 +251,23 @@ def validated_entries(
         (count,) = COUNT.unpack_from(body)
         start, end = COUNT.size, len(body)
         parsed = None
+        version = FORMAT_VERSION  # an entropy-coded body has no bucket entries
     else:
         body = view
-        count = _read_prefix(view)
+        count, version = _read_prefix(view)
         start, end = PREFIX.size, len(view) - CRC.size
         # the limits first: a message over them is refused before its CRC is computed
-        parsed = _within_limits(view, count, start, end, max_tensors, max_values)
+        parsed = _within_limits(view, count, start, end, max_tensors, max_values, version)
         _check_crc_and_flags(view)
     _check_count(count, end - start)
     check_limit(count, max_tensors, "tensors", "max_tensors")
     if parsed is None:
-        parsed = _parse_entries(body, count, start, end, max_values)
+        parsed = _parse_entries(body, count, start, end, max_values, version)
     entries, data_start = parsed
-    sizes = [data_size(dtype, kind, math.prod(shape)) for _, dtype, kind, shape, _ in entries]
+    sizes = [
+        data_size(dtype, kind, math.prod(shape), bucket)
+        for _, dtype, kind, shape, _, bucket in entries
+    ]
     available = end - data_start
     if sum(sizes) != available:
         raise PayloadError(

@@ -47,13 +47,16 @@ class EntryHeader:
         Tensor shape.
     scale : float
         The ternary scale (finite, >= 0; 0.0 for a dense entry): every decoded value of a
-        ternary entry is ``-scale``, 0 or ``scale``.
+        ternary entry is ``-scale``, 0 or ``scale``; with scale buckets the largest bucket
+        scale (a value of bucket ``b`` is ``-s_b``, 0 or ``s_b``, ``s_b <= scale``).
     data_bytes : int
         Bytes of the entry's data.
     peak : float | None
         The largest magnitude of the decoded values: ``scale`` for a ternary entry; for a
         dense entry measured when :func:`read_header` was asked for ``dense_peaks``
         (otherwise None).
+    bucket : int
+        Values per scale bucket; 0: one scale for the tensor.
     """
 
     name: str
@@ -63,6 +66,7 @@ class EntryHeader:
     scale: float
     data_bytes: int
     peak: float | None = None
+    bucket: int = 0
 
     @property
     def numel(self) -> int:
@@ -126,12 +130,12 @@ def open_message(
     body, parsed, start, sizes = validated_entries(view, tensors, values, max_bytes)
     entries = []
     offset = start
-    for (name, dtype, kind, shape, scale), size in zip(parsed, sizes, strict=True):
+    for (name, dtype, kind, shape, scale, bucket), size in zip(parsed, sizes, strict=True):
         peak: float | None = scale
         if kind == KIND_DENSE:
             peak = _dense_peak(name, body[offset : offset + size], dtype) if dense_peaks else None
         codec = None if kind == KIND_DENSE else CODEC_OF_KIND[kind]
-        entries.append(EntryHeader(name, dtype, codec, shape, scale, size, peak))
+        entries.append(EntryHeader(name, dtype, codec, shape, scale, size, peak, bucket))
         offset += size
     # an entropy-coded body is our own decompressed copy; other bytes objects are immutable
     stable = body is not view or isinstance(data, bytes)
@@ -172,7 +176,7 @@ class OpenedMessage:
         layout = self._layout
         if not self._stable:
             entries = self._layout.entries
-            values = sum(math.prod(shape) for _, _, _, shape, _ in entries)
+            values = sum(math.prod(shape) for _, _, _, shape, _, _ in entries)
             view = as_view(self._data, sys.maxsize)  # its size was checked at opening
             layout = Layout(*validated_entries(view, len(entries), values, len(view)))
             if layout.entries != self._layout.entries:
@@ -202,7 +206,7 @@ def decode_small_batch(
     if len(messages) < 2 or not all(m._stable for m in messages):
         return None
     first = messages[0]._layout
-    if not is_small(sum(math.prod(shape) for _, _, _, shape, _ in first.entries)):
+    if not is_small(sum(math.prod(shape) for _, _, _, shape, _, _ in first.entries)):
         return None  # before comparing layouts: a large model's replies never batch
     shape_of = [entry[:4] for entry in first.entries]
     for message in messages[1:]:
@@ -222,7 +226,7 @@ def decode_small_batch(
     count = len(messages)
     columns: list[tuple[str, np.ndarray[Any, Any]]] = []
     offset = first.start
-    for index, ((name, _, kind, shape, _), size) in enumerate(
+    for index, ((name, _, kind, shape, _, _), size) in enumerate(
         zip(first.entries, first.sizes, strict=True)
     ):
         rows = np.empty((count, size), dtype=np.uint8)
