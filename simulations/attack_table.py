@@ -20,6 +20,14 @@ and direction check. Model-poisoning attacks run in every
 column; attacks the screening refuses whatever the aggregator (bad metrics, oversized
 payloads) run with the default and one attacker only; the bandwidth attacks run plain and
 default, and their table shows bytes and replica agreement.
+
+``--path dropin`` runs the drop-in layer instead (``TernaryDelta(FedAvg)`` and
+``TernaryDelta(FedMedian)`` + ``ternary_mod``, one attacker of 10:
+:mod:`simulations.attack_dropin`); ``--path gossip`` one compromised gossip peer of 8 on
+the simulator, merge clip off and on (:func:`simulations.gossip_compromised.simulate`)::
+
+    python -m simulations.attack_table --path dropin --rounds 30 --out results/attacks
+    python -m simulations.attack_table --path gossip --out results/attacks
 """
 
 from __future__ import annotations
@@ -48,6 +56,9 @@ REFUSED = ["nan-metrics", "inf-metrics", "huge-examples", "many-tensors"]
 BANDWIDTH = ["resync-spam", "fingerprint-lie"]
 ATTACKERS = (1, 3)
 CLIENTS = 10
+# The gossip rows: attacks ('' clean) and message kinds ('' fp32) of one compromised peer.
+GOSSIP_ATTACKS = ("", "constant", "scaled-initial")
+GOSSIP_COMPRESSORS = ("", "ternary-base3")
 
 
 def cells(statistics: bool = False) -> list[tuple[str, int, str]]:
@@ -218,6 +229,70 @@ def tables(results: dict[tuple[str, int, str], dict[str, Any]], rounds: int, arc
     return "\n".join(lines)
 
 
+def _cached(path: Path, run: Any) -> dict[str, Any]:
+    """``run()``'s result, written to ``path`` as JSON (read back if ``path`` exists)."""
+    if not path.exists():
+        path.write_text(json.dumps(run(), indent=1, allow_nan=False))
+    result: dict[str, Any] = json.loads(path.read_text())
+    return result
+
+
+def dropin_results(
+    rounds: int,
+    out: Path,
+    attacks: list[str] | None = None,
+    wrapped: tuple[str, ...] = ("fedavg", "fedmedian"),
+    clients: int = CLIENTS,
+) -> list[dict[str, Any]]:
+    """The drop-in rows (:func:`simulations.attack_dropin.run_dropin`), one JSON each."""
+    from simulations.attack_dropin import ATTACKS, run_dropin
+
+    rows = []
+    for name in wrapped:
+        for attack in attacks if attacks is not None else list(ATTACKS):
+            stem = f"dropin-{name}-{attack or 'clean'}-{clients}-{rounds}"
+            path = out / f"{stem}.json".replace(":", "_")
+            rows.append(_cached(path, lambda a=attack, n=name: run_dropin(a, n, rounds, clients)))
+            print(f"{path.name}: {rows[-1]['final_accuracy']}", file=sys.stderr)
+    return rows
+
+
+def dropin_table(rows: list[dict[str, Any]], rounds: int) -> str:
+    """The drop-in rows' Markdown table, with its heading line."""
+    from simulations.attack_dropin import table
+
+    clients = rows[0]["clients"] if rows else CLIENTS
+    return (
+        f"The drop-in layer, one attacker of {clients}: final accuracy (%) after {rounds} "
+        f"rounds, digits, {clients} clients:\n\n" + table(rows)
+    )
+
+
+def gossip_results(
+    out: Path,
+    seconds: float = 20.0,
+    seeds: tuple[int, ...] = (0,),
+    compressors: tuple[str, ...] = GOSSIP_COMPRESSORS,
+) -> list[dict[str, Any]]:
+    """The gossip rows: one compromised peer of 8 on the simulator, clip off and on."""
+    from fedddl.gossip.clip import DEFAULT_CLIP
+    from simulations.gossip_compromised import simulate
+
+    rows = []
+    for compressor in compressors:
+        for attack in GOSSIP_ATTACKS:
+            for clip in (0.0, DEFAULT_CLIP):
+                for seed in seeds:
+                    name = f"gossip-{compressor or 'fp32'}-{attack or 'clean'}-{clip:g}-{seed}"
+                    path = out / f"{name}-{seconds:g}s.json"
+                    result = _cached(path, lambda a=attack, c=clip, s=seed, m=compressor:
+                                     simulate(s, c, a, m, seconds))  # fmt: skip
+                    rows.append({"where": "sim", "compressor": compressor or "fp32",
+                                 "attack": attack or "clean", "clip": clip, "seed": seed,
+                                 **result})  # fmt: skip
+    return rows
+
+
 def main() -> int:
     """Run the missing cells, then print the tables."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -236,9 +311,30 @@ def main() -> int:
         "--attacks", default="", help="comma-separated attacks to run ('none': clean; '': all)"
     )
     parser.add_argument("--columns", default="", help="comma-separated columns to run ('': all)")
+    parser.add_argument(
+        "--path",
+        choices=("terngrad", "dropin", "gossip"),
+        default="terngrad",
+        help="TernGrad's server, the drop-in layer, or gossip peers",
+    )
+    parser.add_argument("--virtual-s", type=float, default=20.0, help="gossip: virtual seconds")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.path != "terngrad":
+        import torch
+
+        torch.set_num_threads(1)
+        logging.disable(logging.WARNING)  # every dropped reply is logged; the JSON has them
+        if args.path == "dropin":
+            attacks = ([a if a != "none" else "" for a in args.attacks.split(",")]
+                       if args.attacks else None)  # fmt: skip
+            print(dropin_table(dropin_results(args.rounds, out, attacks), args.rounds))
+        else:
+            from simulations.gossip_compromised import table as gossip_table
+
+            print(gossip_table(gossip_results(out, args.virtual_s)))
+        return 0
     results = {}
     wanted = {a if a != "none" else "" for a in args.attacks.split(",")} if args.attacks else None
     for attack, attackers, column in cells(statistics=bool(args.arch)):

@@ -129,8 +129,14 @@ def main() -> None:
                             print(json.dumps(row), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
-    print("\n| where | messages | attack | clip | honest accuracy (seeds) | mean | wall s |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("\n" + table(rows))
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The Markdown table of rows of :func:`simulate` / :func:`real_peers` results (with
+    ``where``, ``compressor``, ``attack``, ``clip``, ``seed``): one line per setting."""
+    lines = ["| where | messages | attack | clip | honest accuracy (seeds) | mean | wall s |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     keys = sorted({(r["where"], r["compressor"], r["attack"], r["clip"]) for r in rows},
                   key=lambda k: (k[0] != "sim", k[1], k[2] != "clean", k[2], k[3]))
     for key in keys:
@@ -138,7 +144,9 @@ def main() -> None:
         accs = " / ".join(f"{r['accuracy']:.3f}" for r in group)
         mean = statistics.fmean(r["accuracy"] for r in group)
         wall = statistics.fmean(r["wall_s"] for r in group)
-        print(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]:g} | {accs} | {mean:.3f} | {wall:.1f} |")
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]:g} | {accs} | {mean:.3f} "
+                     f"| {wall:.1f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
