@@ -91,3 +91,10 @@ def test_the_gossip_path_runs_every_attack_with_and_without_the_clip(tmp_path: P
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in rows)
     assert len(list(tmp_path.glob("gossip-*.json"))) == len(rows)
     assert len(table(rows).splitlines()) == 2 + len(rows)
+
+
+def test_the_direction_check_drops_every_near_bound_reply_the_scale_bound_lets_through() -> None:
+    on = attack_dropin.run_dropin("near-bound:7.9", "fedavg", rounds=3, clients=5)
+    assert on["raised"] is None and on["tampered"] == 3
+    assert sum(on["dropped"].values()) == 3, on["dropped"]  # every forged reply
+    assert on["dropped"].get("OpposedDirection", 0) >= 1, on["dropped"]

@@ -85,7 +85,9 @@ from fedddl.flower.delta_protocol import (
     same_layout,
 )
 from fedddl.flower.delta_traffic import Notices, Traffic, array_bytes, with_traffic
-from fedddl.sync.errors import PayloadRejected, ReplyError
+from fedddl.sync.admission import drop
+from fedddl.sync.direction import DirectionCheck, flat_signs, judge
+from fedddl.sync.errors import OpposedDirection, PayloadRejected, ReplyError
 from fedddl.sync.grid_log import MAX_CAPACITY
 from fedddl.sync.messages import ClientReply, ParseFailure
 from fedddl.sync.report import RoundReport
@@ -93,7 +95,7 @@ from fedddl.sync.scale_bound import ScaleBound
 
 __all__ = ["TernaryDelta"]
 
-_INFO, _WARNING = logging.INFO, logging.WARNING
+_DEBUG, _INFO, _WARNING = logging.DEBUG, logging.INFO, logging.WARNING
 
 
 class TernaryDelta(Strategy):
@@ -152,6 +154,11 @@ class TernaryDelta(Strategy):
     scale_bucket : int
         Scales of the ternary deltas: 0 one per tensor, ``N > 0`` one per bucket of ``N``
         values, -1 one per output channel (sent to the nodes in :data:`META`).
+    direction_check : float
+        A compressed reply whose delta's signs agree with the other replies' majority vote
+        less than this fraction of the round's median agreement, or that has more than
+        twice the median count of non-zero values, is dropped
+        (:mod:`fedddl.sync.direction`, as TernGrad's ``direction-check``); 0: off.
     """
 
     def __init__(
@@ -174,6 +181,7 @@ class TernaryDelta(Strategy):
         downlink_steps: int = 1,
         feedback_warmup_rounds: int = 0,
         scale_bucket: int = 0,
+        direction_check: float = 0.1,
     ) -> None:
         super().__init__()
         if not isinstance(strategy, Strategy):
@@ -190,6 +198,8 @@ class TernaryDelta(Strategy):
             compressor, seed=0, clip_sigma=clip_sigma, scale_bucket=scale_bucket
         )
         self.scale_bucket = scale_bucket
+        self.direction = DirectionCheck(direction_check)  # out of range: ValueError
+        self._direction_warned: set[int] = set()
         mode = _downlink_mode(downlink, grid_levels, grid_log_size, resync_interval)
         if mode != "delta" and downlink_steps != 1:
             raise ValueError(f"downlink_steps applies to the delta downlink only, not {mode!r}")
@@ -480,7 +490,7 @@ class TernaryDelta(Strategy):
             report,
             self.scale_bucket,
         )
-        for node, delta in admitted:
+        for node, delta in self._directed(admitted, report):
             index, record, dtypes = position[node]
             weights = _restored(broadcast.exact, delta, dtypes or held)
             bad = next((n for n, w in weights.items() if not bool(torch.isfinite(w).all())), None)
@@ -496,6 +506,32 @@ class TernaryDelta(Strategy):
             model = join_model(broadcast.names, weights, dict(sent.items()))
             self._exchange.up(True, array_bytes(model), array_bytes(sent, content.get(DELTA)))
             out[index] = _without_ours(replies[index], record, model)
+
+    def _directed(
+        self, admitted: Iterable[tuple[int, dict[str, torch.Tensor]]], report: RoundReport
+    ) -> Iterable[tuple[int, dict[str, torch.Tensor]]]:
+        """The admitted deltas whose direction passes the direction check (copies when it is
+        on); the others are dropped (the node still holds the broadcast model)."""
+        if not self.direction.enabled:
+            return admitted
+        kept = [(node, {n: t.clone() for n, t in delta.items()}) for node, delta in admitted]
+        if len(kept) < self.direction.min_replies:
+            return kept
+        verdicts = judge(
+            [node for node, _ in kept],
+            [flat_signs(delta) for _, delta in kept],
+            self.direction.fraction,
+            self.direction.density,
+        )
+        passed = []
+        for (node, delta), verdict in zip(kept, verdicts, strict=True):
+            if not verdict.reason:
+                passed.append((node, delta))
+                continue
+            level = _DEBUG if node in self._direction_warned else _WARNING
+            self._direction_warned.add(node)
+            drop(report, node, OpposedDirection(verdict.reason), level)
+        return passed
 
     def _account(
         self,

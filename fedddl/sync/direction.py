@@ -31,7 +31,7 @@ vote. ``fraction = 0`` disables both checks (contributions stream through untouc
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +39,14 @@ import torch
 from fedddl.sync.aggregation import Contribution
 from fedddl.sync.scale_bound import lower_median
 
-__all__ = ["DENSITY_FACTOR", "DirectionCheck", "DirectionVerdict", "alignments"]
+__all__ = [
+    "DENSITY_FACTOR",
+    "DirectionCheck",
+    "DirectionVerdict",
+    "alignments",
+    "flat_signs",
+    "judge",
+]
 
 #: A reply with more than this multiple of the round's median count of non-zero values is
 #: dropped (honest ternary replies of one round have similar counts).
@@ -127,31 +134,44 @@ class DirectionCheck:
         if len(kept) < self.min_replies:
             yield from kept
             return
-        signs = [
-            torch.cat([torch.sign(v.reshape(-1)).to(torch.int8) for v in c.gradient.values()])
-            for c in kept
-        ]
-        found = alignments(signs)
-        median = lower_median(found)
-        limit = self.fraction * median
-        counts = [int(torch.count_nonzero(s)) for s in signs]
-        most = self.density * lower_median(counts) if self.density else math.inf
-        for contribution, alignment, count in zip(kept, found, counts, strict=True):
-            node = contribution.reply.node_id
-            reason = ""
-            if count > most:
-                reason = (
-                    f"node {node}: {count} non-zero values, more than {self.density:g} x the "
-                    f"round's median {lower_median(counts)}: dropped"
-                )
-            elif median > 0 and alignment < limit:
-                reason = (
-                    f"node {node}: direction opposes the round's majority: alignment "
-                    f"{alignment:.3f} < {self.fraction:g} x the median {median:.3f}: dropped"
-                )
-            self.verdicts.append(DirectionVerdict(node, alignment, reason))
-            if not reason:
+        signs = [flat_signs(c.gradient) for c in kept]
+        nodes = [c.reply.node_id for c in kept]
+        self.verdicts = judge(nodes, signs, self.fraction, self.density)
+        for contribution, verdict in zip(kept, self.verdicts, strict=True):
+            if not verdict.reason:
                 yield contribution
+
+
+def flat_signs(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The signs of every tensor of one reply, flattened into one int8 vector."""
+    return torch.cat([torch.sign(v.reshape(-1)).to(torch.int8) for v in tensors.values()])
+
+
+def judge(
+    nodes: Sequence[int], signs: Sequence[torch.Tensor], fraction: float, density: float
+) -> list[DirectionVerdict]:
+    """Each reply's verdict (see the module docstring): its alignment, and a reason when it
+    is dropped for its direction (``fraction``) or its non-zero count (``density``)."""
+    found = alignments(list(signs))
+    median = lower_median(found)
+    limit = fraction * median
+    counts = [int(torch.count_nonzero(s)) for s in signs]
+    most = density * lower_median(counts) if density else math.inf
+    verdicts = []
+    for node, alignment, count in zip(nodes, found, counts, strict=True):
+        reason = ""
+        if count > most:
+            reason = (
+                f"node {node}: {count} non-zero values, more than {density:g} x the "
+                f"round's median {lower_median(counts)}: dropped"
+            )
+        elif median > 0 and alignment < limit:
+            reason = (
+                f"node {node}: direction opposes the round's majority: alignment "
+                f"{alignment:.3f} < {fraction:g} x the median {median:.3f}: dropped"
+            )
+        verdicts.append(DirectionVerdict(node, alignment, reason))
+    return verdicts
 
 
 def _copy(contribution: Contribution) -> Contribution:
