@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from fedddl.app_config import AppConfig
 from fedddl.compression import IdentityCompressor, encode_update
 from fedddl.defenses import Defenses
 from fedddl.running_stats import apply_statistics
@@ -159,6 +160,10 @@ def test_statistics_bound_zero_turns_it_off() -> None:
     assert not _statistics_clipped(server), server.reports[-1].clipped
 
 
-def test_statistics_bound_is_validated() -> None:
+def test_statistics_bound_is_validated_and_a_run_config_key() -> None:
     with pytest.raises(ValueError, match="statistics-bound"):
         Defenses(statistics_bound=0.5)
+    assert AppConfig().defenses().statistics_bound == 4.0
+    assert AppConfig.from_run_config({"statistics-bound": 0}).defenses().statistics_bound == 0.0
+    with pytest.raises(ValueError, match="statistics-bound"):
+        AppConfig.from_run_config({"statistics-bound": 0.5})
