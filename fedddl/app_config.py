@@ -182,6 +182,11 @@ class AppConfig:
         majority vote less than this fraction of the round's median agreement, in
         ``[0, 1]``, and one with more than twice the round's median count of non-zero
         values; 0: both off (:mod:`fedddl.sync.direction`).
+    statistics_bound : float
+        A reply's BatchNorm statistics are clipped to within this many standard deviations
+        of the server shadow's running statistics (means; variances to within its square
+        as a factor), from the second round on; 0 disables it
+        (:mod:`fedddl.sync.statistics_shadow`).
     resync_interval : int
         Resyncs (snapshots, multi-update catch-ups) a node causes are served at most once
         every this many rounds, twice as long each time while it keeps failing; 0 or 1: no
@@ -241,6 +246,7 @@ class AppConfig:
     scale_weight: float = _DEFENSES.scale_weight
     resync_interval: int = _DEFENSES.resync_interval
     direction_check: float = _DEFENSES.direction_check
+    statistics_bound: float = _DEFENSES.statistics_bound
     attack: str = ""
     num_attackers: int = 0
 
@@ -425,6 +431,7 @@ class AppConfig:
             scale_weight=self.scale_weight,
             resync_interval=self.resync_interval,
             direction_check=self.direction_check,
+            statistics_bound=self.statistics_bound,
         )
 
     def replace(self, **changes: Any) -> AppConfig:

@@ -17,6 +17,9 @@ combined, encoded or applied is skipped and logged; sums cannot overflow
   of the ``shared-scale-sum`` downlink at ``k ×`` the median of the reported ones;
   ``scale_weight`` (``scale-weight``): a scale above that multiple of the median is
   clipped to it (0: clipped only above the bound);
+* ``statistics_bound`` (``statistics-bound``): a reply's BatchNorm statistics are clipped to
+  within that many standard deviations of the shadow replica's running statistics (means;
+  variances to within that factor squared; :mod:`fedddl.sync.statistics_shadow`; 0: off);
 * ``direction_check`` (``direction-check``): a reply whose signs agree with the other
   replies' majority vote less than this fraction of the round's median agreement is
   dropped, and so is a reply with more than twice the round's median count of non-zero
@@ -50,6 +53,7 @@ class Defenses:
     scale_weight: float = 3.0
     resync_interval: int = 30
     direction_check: float = 0.1
+    statistics_bound: float = 4.0
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the bad setting."""
@@ -72,5 +76,9 @@ class Defenses:
             raise ValueError(f"scale-weight must be 0 (off) or >= 1, got {self.scale_weight}")
         if not 0 <= self.direction_check <= 1:
             raise ValueError(f"direction-check must be in [0, 1], got {self.direction_check}")
+        if not (self.statistics_bound == 0 or 1 <= self.statistics_bound < math.inf):
+            raise ValueError(
+                f"statistics-bound must be 0 (off) or >= 1, got {self.statistics_bound}"
+            )
         if self.resync_interval < 0:
             raise ValueError(f"resync-interval must be >= 0, got {self.resync_interval}")

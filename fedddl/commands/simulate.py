@@ -206,6 +206,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the round's median alignment, or with over 2x its median non-zero count (0: off)",
     )
     parser.add_argument(
+        "--statistics-bound",
+        type=float,
+        default=4.0,
+        help="clip BatchNorm statistics to this many standard deviations of the server "
+        "shadow's running statistics (0: off)",
+    )
+    parser.add_argument(
         "--resync-interval",
         type=int,
         default=30,
@@ -287,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
             scale_weight=args.scale_weight,
             resync_interval=args.resync_interval,
             direction_check=args.direction_check,
+            statistics_bound=args.statistics_bound,
             attack=args.attack,
             num_attackers=args.num_attackers,
         )

@@ -33,6 +33,7 @@ from fedddl.sync.reply_checks import (
     ValueCheck,
     apply_clip,
     bound_scales,
+    bound_statistics_to_shadow_values,
     bound_statistics_values,
     bucket_peaks,
     check_finite,
@@ -62,6 +63,7 @@ REPLY_CHECKS: tuple[ReplyCheck, ...] = (
 ROUND_BOUNDS: tuple[RoundBound, ...] = (
     bound_scales,  # header scales within k × the honest majority's
     bound_statistics_values,  # BatchNorm statistics within k × the median
+    bound_statistics_to_shadow_values,  # and within k deviations of the shadow's own
 )
 #: Then each reply's decoded values:
 VALUE_CHECKS: tuple[ValueCheck, ...] = (

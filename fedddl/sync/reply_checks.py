@@ -30,6 +30,7 @@ from fedddl.sync.messages import ClientReply, fingerprint_prefix
 from fedddl.sync.scale_bound import ScaleBound
 from fedddl.sync.screening import PayloadSpec
 from fedddl.sync.statistics_bound import bound_statistics, check_statistics_range
+from fedddl.sync.statistics_shadow import bound_statistics_to_shadow
 
 __all__ = [
     "Candidate",
@@ -55,6 +56,7 @@ class RoundRules:
     scale_bound: ScaleBound
     code_scales: dict[str, float] | None
     scale_floors: dict[str, float] | None = None  # smallest bound per tensor (None: 0)
+    statistics_bound: float = 0.0  # BatchNorm statistics within k shadow deviations (0: off)
 
 
 @dataclass
@@ -191,6 +193,15 @@ def bound_statistics_values(screened: list[Screened], rules: RoundRules) -> Verd
         return Verdict()
     stats = {i.reply.node_id: i.statistics for i in screened if i.statistics is not None}
     return Verdict(clipped=bound_statistics(stats, rules.scale_bound.factor))
+
+
+def bound_statistics_to_shadow_values(screened: list[Screened], rules: RoundRules) -> Verdict:
+    """BatchNorm statistics within ``statistics_bound`` standard deviations of the shadow's
+    running statistics (:mod:`fedddl.sync.statistics_shadow`; clipped in place)."""
+    stats = {i.reply.node_id: i.statistics for i in screened if i.statistics is not None}
+    return Verdict(
+        clipped=bound_statistics_to_shadow(stats, rules.batchnorm, rules.statistics_bound)
+    )
 
 
 # ------------------------------------------------------------------ value checks

@@ -289,6 +289,7 @@ class ReplicaServer:
             batchnorm=self.shadow.batchnorm,
             scale_bound=self.scale_bound,
             code_scales=self._code_scales(),
+            statistics_bound=self.defenses.statistics_bound,
         )
 
     def _code_scales(self) -> dict[str, float] | None:

@@ -17,7 +17,9 @@ values. An attacker can send any finite numbers there, so besides
   ``|mean|``, ``var`` to ``k² ×`` the lower median of their largest ``var``, and ``count`` to
   ``k ×`` the lower median count. One attacker cannot move a median of three or more
   replies, so it cannot move the pooled statistics by more than ``k / n`` of an honest
-  client's magnitude.
+  client's magnitude;
+* then bounds them relative to the shadow replica's own running statistics
+  (:mod:`fedddl.sync.statistics_shadow`, ``statistics-bound``).
 """
 
 from __future__ import annotations
