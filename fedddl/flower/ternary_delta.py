@@ -86,7 +86,7 @@ from fedddl.flower.delta_protocol import (
 )
 from fedddl.flower.delta_traffic import Notices, Traffic, array_bytes, with_traffic
 from fedddl.sync.admission import drop
-from fedddl.sync.direction import DirectionCheck, flat_signs, judge
+from fedddl.sync.direction import DirectionCheck
 from fedddl.sync.errors import OpposedDirection, PayloadRejected, ReplyError
 from fedddl.sync.grid_log import MAX_CAPACITY
 from fedddl.sync.messages import ClientReply, ParseFailure
@@ -95,7 +95,7 @@ from fedddl.sync.scale_bound import ScaleBound
 
 __all__ = ["TernaryDelta"]
 
-_DEBUG, _INFO, _WARNING = logging.DEBUG, logging.INFO, logging.WARNING
+_INFO, _WARNING = logging.INFO, logging.WARNING
 
 
 class TernaryDelta(Strategy):
@@ -199,7 +199,6 @@ class TernaryDelta(Strategy):
         )
         self.scale_bucket = scale_bucket
         self.direction = DirectionCheck(direction_check)  # out of range: ValueError
-        self._direction_warned: set[int] = set()
         mode = _downlink_mode(downlink, grid_levels, grid_log_size, resync_interval)
         if mode != "delta" and downlink_steps != 1:
             raise ValueError(f"downlink_steps applies to the delta downlink only, not {mode!r}")
@@ -515,22 +514,13 @@ class TernaryDelta(Strategy):
         if not self.direction.enabled:
             return admitted
         kept = [(node, {n: t.clone() for n, t in delta.items()}) for node, delta in admitted]
-        if len(kept) < self.direction.min_replies:
-            return kept
-        verdicts = judge(
-            [node for node, _ in kept],
-            [flat_signs(delta) for _, delta in kept],
-            self.direction.fraction,
-            self.direction.density,
-        )
         passed = []
-        for (node, delta), verdict in zip(kept, verdicts, strict=True):
-            if not verdict.reason:
+        for (node, delta), verdict in zip(kept, self.direction.screen(kept), strict=True):
+            if verdict.reason:
+                level = self.direction.log_level(node)
+                drop(report, node, OpposedDirection(verdict.reason), level)
+            else:
                 passed.append((node, delta))
-                continue
-            level = _DEBUG if node in self._direction_warned else _WARNING
-            self._direction_warned.add(node)
-            drop(report, node, OpposedDirection(verdict.reason), level)
         return passed
 
     def _account(

@@ -30,6 +30,7 @@ vote. ``fraction = 0`` disables both checks (contributions stream through untouc
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -117,6 +118,7 @@ class DirectionCheck:
         self.min_replies = min_replies
         self.density = float(density)
         self.verdicts: list[DirectionVerdict] = []
+        self._warned: set[int] = set()  # nodes whose drop was logged at WARNING
 
     @property
     def enabled(self) -> bool:
@@ -131,15 +133,30 @@ class DirectionCheck:
             yield from contributions
             return
         kept = [_copy(c) for c in contributions]
-        if len(kept) < self.min_replies:
-            yield from kept
-            return
-        signs = [flat_signs(c.gradient) for c in kept]
-        nodes = [c.reply.node_id for c in kept]
-        self.verdicts = judge(nodes, signs, self.fraction, self.density)
+        self.screen([(c.reply.node_id, c.gradient) for c in kept])
         for contribution, verdict in zip(kept, self.verdicts, strict=True):
             if not verdict.reason:
                 yield contribution
+
+    def screen(
+        self, replies: Sequence[tuple[int, Mapping[str, torch.Tensor]]]
+    ) -> list[DirectionVerdict]:
+        """This round's verdicts on ``(node, tensors)`` pairs, in order (also kept in
+        :attr:`verdicts`); none is dropped when the check is off or fewer than
+        ``min_replies`` replies came."""
+        if not self.enabled or len(replies) < self.min_replies:
+            self.verdicts = [DirectionVerdict(node, 0.0) for node, _ in replies]
+        else:
+            signs = [flat_signs(tensors) for _, tensors in replies]
+            nodes = [node for node, _ in replies]
+            self.verdicts = judge(nodes, signs, self.fraction, self.density)
+        return self.verdicts
+
+    def log_level(self, node: int) -> int:
+        """The level to log ``node``'s drop at: WARNING the first time, DEBUG after."""
+        level = logging.DEBUG if node in self._warned else logging.WARNING
+        self._warned.add(node)
+        return level
 
 
 def flat_signs(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from logging import DEBUG, INFO, WARNING, getLogger
+from logging import INFO, WARNING, getLogger
 
 import torch
 from torch import nn
@@ -123,7 +123,6 @@ class ReplicaServer:
         self.defenses = defenses if defenses is not None else Defenses()
         self.scale_bound = self._new_scale_bound()
         self.direction = DirectionCheck(self.defenses.direction_check)
-        self._direction_warned: set[int] = set()  # nodes whose direction drop was logged
         self.replica: ShadowReplica | GridShadow
         if downlink == "grid":
             self.replica = GridShadow(
@@ -235,10 +234,9 @@ class ReplicaServer:
         except Exception as err:  # e.g. a robust aggregator's bug on hostile input
             aggregate = Aggregate({})
             failure = f"aggregation failed: {type(err).__name__}: {err}"
-        for verdict in self.direction.verdicts:  # a node's first at WARNING, later at DEBUG
+        for verdict in self.direction.verdicts:
             if verdict.reason:
-                level = DEBUG if verdict.node_id in self._direction_warned else WARNING
-                self._direction_warned.add(verdict.node_id)
+                level = self.direction.log_level(verdict.node_id)
                 drop(report, verdict.node_id, OpposedDirection(verdict.reason), level)
         contributors = aggregate.contributors
         report.accepted = sorted(r.node_id for r in contributors)
