@@ -13,7 +13,7 @@ nothing here raises on a reply's content.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +25,14 @@ from fedddl.compression import make_compressor
 from fedddl.flower.delta_protocol import DELTA, DELTA_KEY, ReplyMeta, parse_reply_meta
 from fedddl.flower.records import array_to_bytes
 from fedddl.sync.admission import ReplyAdmission, drop
-from fedddl.sync.errors import PayloadRejected, ReplyError, UnexpectedReply, VersionMismatch
+from fedddl.sync.direction import DirectionCheck
+from fedddl.sync.errors import (
+    OpposedDirection,
+    PayloadRejected,
+    ReplyError,
+    UnexpectedReply,
+    VersionMismatch,
+)
 from fedddl.sync.messages import ClientReply, ParseFailure
 from fedddl.sync.nodes import NodeBook
 from fedddl.sync.reply_checks import RoundRules
@@ -149,11 +156,19 @@ class DeltaAdmission:
         A node whose reply lost the server's track of it (an error, no reply, a refused
         reply, another version) is resynced at most once every this many rounds
         (:class:`~fedddl.sync.resync_limit.ResyncLimiter`; 0: no limit).
+    direction : DirectionCheck, optional
+        The direction check of the admitted deltas (:meth:`directed`; none: off).
     """
 
-    def __init__(self, scale_bound: ScaleBound, resync_interval: int = 0) -> None:
+    def __init__(
+        self,
+        scale_bound: ScaleBound,
+        resync_interval: int = 0,
+        direction: DirectionCheck | None = None,
+    ) -> None:
         self.nodes = NodeBook(unknown_version=-1)
         self.scale_bound = scale_bound
+        self.direction = direction or DirectionCheck(0.0)
         self.resyncs = ResyncLimiter(resync_interval)
         self._admission = ReplyAdmission(self.nodes, self.resyncs)
         self._specs: dict[tuple[object, ...], PayloadSpec] = {}
@@ -243,6 +258,36 @@ class DeltaAdmission:
         if error is not None:
             self.refuse(report, node, error)
         return error is None
+
+    def admit_plain(
+        self, node: int, content: RecordDict, key: str, layout: Layout, report: RoundReport
+    ) -> bool:
+        """Whether a reply whose arrays travelled plain passes :func:`check_plain_reply`
+        for the record ``key`` of the sent ``layout`` (else refused in ``report``)."""
+        try:
+            check_plain_reply(node, content, key, layout)
+        except PayloadRejected as err:
+            self.refuse(report, node, err)
+            return False
+        return True
+
+    def directed(
+        self, admitted: Iterable[tuple[int, dict[str, torch.Tensor]]], report: RoundReport
+    ) -> Iterable[tuple[int, dict[str, torch.Tensor]]]:
+        """The admitted deltas whose direction passes :attr:`direction` (copies when it is
+        on); the others are dropped in ``report`` (the node still holds the broadcast model,
+        so it is not forgotten)."""
+        if not self.direction.enabled:
+            return admitted
+        kept = [(node, {n: t.clone() for n, t in delta.items()}) for node, delta in admitted]
+        passed = []
+        for (node, delta), verdict in zip(kept, self.direction.screen(kept), strict=True):
+            if verdict.reason:
+                level = self.direction.log_level(node)
+                drop(report, node, OpposedDirection(verdict.reason), level)
+            else:
+                passed.append((node, delta))
+        return passed
 
     def refuse(self, report: RoundReport, node: int, error: ReplyError) -> None:
         """Drop ``node``'s reply for ``error`` (found after admission)."""

@@ -43,8 +43,9 @@ from fedddl.flower.delta_protocol import (
 from fedddl.flower.records import bytes_to_array
 from fedddl.replica import CatchUp, UpdateLog, plan_catch_up
 from fedddl.seeding import derive_seed
+from fedddl.sync.grid_log import MAX_CAPACITY
 
-__all__ = ["DOWNLINKS", "DeltaBroadcast"]
+__all__ = ["DOWNLINKS", "DeltaBroadcast", "downlink_mode"]
 
 #: The downlink modes: ternary deltas with a log of them, the integer grid, whole models.
 DOWNLINKS = ("delta", "grid", "none")
@@ -272,6 +273,26 @@ class DeltaBroadcast:
             seed=self.seed,
             scale_bucket=self.scale_bucket,
         ).to_record()
+
+
+def downlink_mode(
+    downlink: bool | str, grid_levels: int, grid_log_size: int, resync_interval: int
+) -> str:
+    """The downlink mode of :class:`TernaryDelta`'s settings (checked)."""
+    mode = ("delta" if downlink else "none") if isinstance(downlink, bool) else downlink
+    if mode not in DOWNLINKS:
+        raise ValueError(
+            f"downlink must be True, False or one of {', '.join(DOWNLINKS)}, got {downlink!r}"
+        )
+    for name, value, most in (("grid_levels", grid_levels, 127),
+                              ("grid_log_size", grid_log_size, MAX_CAPACITY)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+            raise ValueError(f"{name} must be an int in [1, {most}], got {value!r}")
+    if isinstance(resync_interval, bool) or not isinstance(resync_interval, int) or (
+        resync_interval < 0
+    ):
+        raise ValueError(f"resync_interval must be an int >= 0, got {resync_interval!r}")
+    return str(mode)
 
 
 def _fingerprint(model: SplitModel) -> str:

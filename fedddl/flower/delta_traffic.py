@@ -12,10 +12,19 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, fields
 
-from flwr.app import ArrayRecord, MetricRecord
+from flwr.app import ArrayRecord, MetricRecord, RecordDict
 from flwr.common.logger import log
 
-__all__ = ["Notices", "Traffic", "array_bytes", "with_traffic"]
+from fedddl.flower.delta_protocol import DELTA
+
+__all__ = [
+    "Notices",
+    "Traffic",
+    "TrafficLog",
+    "array_bytes",
+    "whole_model_reason",
+    "with_traffic",
+]
 
 #: Prefix of every metric :class:`Traffic` reports.
 PREFIX = "fedddl."
@@ -110,6 +119,77 @@ class Notices:
         for level, text, nodes in self._pending.values():
             log(level, "TernaryDelta: %s %s", _nodes(nodes, self.SHOWN), text)
         self._pending.clear()
+
+
+class TrafficLog:
+    """What a :class:`~fedddl.flower.TernaryDelta` sent: the current exchange's
+    :class:`Traffic`, the run's totals, the :class:`Notices`, the nodes messaged so far."""
+
+    def __init__(self) -> None:
+        self.total = Traffic()
+        self.exchange = Traffic()
+        self.notices = Notices()
+        self._known: set[int] = set()
+
+    def down(self, node: int, compressed: bool, whole: int, sent: int) -> bool:
+        """Count a message to ``node`` (``whole`` bytes as built, ``sent`` as sent); whether
+        the node had been messaged before."""
+        self.exchange.down(compressed, whole, sent)
+        known = node in self._known
+        self._known.add(node)
+        return known
+
+    def plain_down(self, node: int, size: int, reason: str, text: str) -> None:
+        """Count a message sent as the strategy built it, and say why once."""
+        self.exchange.down(False, size, size)
+        self.notices.note(node, reason, text)
+
+    def plain_up(self, node: int, content: RecordDict, text: str, reason: str) -> None:
+        """Count a reply whose arrays travelled plain (one without arrays carries no model),
+        and say why once."""
+        records = [r for name, r in content.array_records.items() if name != DELTA]
+        if not any(len(r) for r in records):
+            return
+        size = array_bytes(*records)
+        self.exchange.up(False, size, size)
+        self.notices.note(node, reason, text)
+
+    def close(self, metrics: MetricRecord | None) -> MetricRecord | None:
+        """End the exchange: log the notices, add it to the totals and return ``metrics``
+        with its counts (None: no metrics and no model sent)."""
+        self.notices.flush()
+        exchange, self.exchange = self.exchange, Traffic()
+        self.total.add(exchange)
+        if metrics is None and exchange == Traffic():
+            return None
+        return with_traffic(metrics, exchange)
+
+
+def whole_model_reason(
+    downlink: str, known: bool, held: int, behind: int, log_size: int, log_versions: int
+) -> tuple[str, str]:
+    """``(reason, text)`` of why a node with the mod got the whole model: the downlink is
+    off, its first message, it holds nothing usable (``held`` < 0), it is ``behind`` more
+    than the ``log_versions`` the update log keeps (``update_log_size=log_size``), or the
+    broadcast model started anew."""
+    if downlink == "none":
+        return "downlink-off", "got the whole model: downlink=False"
+    if not known:
+        return "new", "got the whole model: first message (no broadcast model yet)"
+    if held < 0:
+        return "lost", (
+            "got the whole model: its last reply failed or did not come, or its state "
+            "was lost"
+        )
+    if behind > log_versions:
+        return "behind", (
+            f"got the whole model: further behind than the update log "
+            f"(update_log_size={log_size})"
+        )
+    return "new-broadcast", (
+        "got the whole model: the global model's layout or dtypes changed, or its "
+        "delta could not be encoded"
+    )
 
 
 def _nodes(nodes: list[int], shown: int) -> str:

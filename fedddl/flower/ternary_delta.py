@@ -9,17 +9,13 @@ Wrap any Flower :class:`~flwr.serverapp.strategy.Strategy`; add
     strategy = TernaryDelta(FedAvg(fraction_train=0.5))
     result = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=10)
 
-**Downlink** (:mod:`fedddl.flower.delta_broadcast`). Whenever the wrapped strategy hands
-out a new global model, the wrapper moves its *broadcast model* (what the clients hold)
-towards it by one ternary-encoded delta: the whole gap between the new global model and
-the broadcast model, so what one delta could not carry is sent with the next (error
-feedback without a residual). It keeps the last ``update_log_size`` encoded deltas. A
-node that holds a recent version receives only the deltas it misses (the training and
-evaluation messages of one round share one delta); a new node, one further behind, or one
-whose last reply failed gets the whole broadcast model. The first round is therefore full
-size. With ``downlink="grid"`` (:mod:`fedddl.flower.delta_grid`) the broadcast model lives on
-an integer grid and a node gets one message of summed integer counts, whatever it missed.
-Resyncs a node causes are rate-limited (``resync_interval``).
+**Downlink** (:mod:`fedddl.flower.delta_broadcast`). Each new global model moves the
+*broadcast model* (what the clients hold) by a ternary-encoded delta of the whole gap to it
+(what one delta could not carry goes with the next). A node that holds a version still in
+the log (``update_log_size``) gets only the deltas it misses; a new node, one further behind
+or one whose last reply failed gets the whole broadcast model. With ``downlink="grid"``
+(:mod:`fedddl.flower.delta_grid`) a node gets one message of summed integer counts, whatever
+it missed. Resyncs a node causes are rate-limited (``resync_interval``).
 
 **Uplink.** The mod encodes each reply's model as ``reply - broadcast model`` (with a
 client-side residual memory for error feedback); the wrapper decodes it and adds it to
@@ -28,28 +24,18 @@ replies as if the clients had trained from its own model, and no downlink error
 accumulates in the global model.
 
 **Untrusted replies.** Compressed replies pass TernGrad's admission pipeline
-(:mod:`fedddl.flower.delta_admission`): version, payload header against the broadcast
-model before any value is decoded, the scale bound, finiteness. A plain reply (a node
-without the mod) must have the sent model's layout and finite values. A reply that fails
-is replaced by an error reply naming the node and the reason (the wrapped strategy counts
-it as a failure) and that node gets the whole model next time. An aggregate that is not
-finite is not adopted: the round keeps the previous model. The wrapper never raises on a
-reply. Nodes without the mod (no ``"fedddl.ternary"`` record) get the wrapped strategy's
-messages unchanged after their first reply; messages that carry no model (e.g. queries)
-pass through unchanged.
+(:mod:`fedddl.flower.delta_admission`: version, payload header before any value is decoded,
+scale bound, finiteness, direction check); a plain reply must have the sent model's layout
+and finite values. A reply that fails becomes an error reply naming the node and the reason
+(the wrapped strategy counts it as a failure). An aggregate that is not finite is not
+adopted. The wrapper never raises on a reply. Nodes without the mod get the wrapped
+strategy's messages unchanged after their first reply, as do messages without a model.
 
-**Dtypes.** Float16, float32 and float64 arrays are compressed whatever dtype the wrapped
-strategy returns (FedAdam's float64, a float16 model): the broadcast model keeps the dtypes
-of the first global model and the downlink deltas are cast to them; each uplink delta is
-sent in float32 and restored in the dtype the client's app sent. Other arrays (integer
-buffers, bfloat16 and other dtypes numpy does not know) travel exact.
-
-**No silent fallbacks.** Whenever the model travels plain (a new node, a node without the
-mod, a reply the mod could not compress, ...) the wrapper logs why, once per node and
-reason (:class:`~fedddl.flower.delta_traffic.Notices`), and each exchange's counts
-(compressed and plain messages and replies, array bytes sent and saved,
-:class:`~fedddl.flower.delta_traffic.Traffic`) are merged into the wrapped strategy's
-aggregated train and evaluate metrics, which Flower logs and keeps in its ``Result``.
+**Dtypes and notices.** Float16/32/64 arrays are compressed whatever dtype the wrapped
+strategy returns (uplink deltas in float32, restored in the app's dtype); other arrays
+travel exact. Whatever travels plain is logged once per node and reason, and each
+exchange's traffic is merged into the wrapped strategy's aggregated metrics
+(:mod:`fedddl.flower.delta_traffic`). Details: docs/drop-in-compression.md.
 """
 
 from __future__ import annotations
@@ -57,10 +43,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
-from flwr.common.constant import ErrorCode
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
@@ -69,26 +53,29 @@ from fedddl.compression import make_compressor
 from fedddl.flower.delta_admission import (
     DeltaAdmission,
     Layout,
-    check_plain_reply,
     layout_of,
     parse_delta_reply,
 )
-from fedddl.flower.delta_broadcast import DOWNLINKS, DeltaBroadcast
+from fedddl.flower.delta_broadcast import DeltaBroadcast, downlink_mode
 from fedddl.flower.delta_grid_protocol import GRID
 from fedddl.flower.delta_protocol import (
     DELTA,
-    FLOAT_DTYPES,
     META,
     UPDATES,
     UPLINK_DTYPE,
     join_model,
-    same_layout,
 )
-from fedddl.flower.delta_traffic import Notices, Traffic, array_bytes, with_traffic
-from fedddl.sync.admission import drop
+from fedddl.flower.delta_replies import (
+    error_reply,
+    fault_kind,
+    model_key,
+    non_finite_array,
+    restored,
+    without_ours,
+)
+from fedddl.flower.delta_traffic import Traffic, TrafficLog, array_bytes, whole_model_reason
 from fedddl.sync.direction import DirectionCheck
-from fedddl.sync.errors import OpposedDirection, PayloadRejected, ReplyError
-from fedddl.sync.grid_log import MAX_CAPACITY
+from fedddl.sync.errors import PayloadRejected
 from fedddl.sync.messages import ClientReply, ParseFailure
 from fedddl.sync.report import RoundReport
 from fedddl.sync.scale_bound import ScaleBound
@@ -198,8 +185,7 @@ class TernaryDelta(Strategy):
             compressor, seed=0, clip_sigma=clip_sigma, scale_bucket=scale_bucket
         )
         self.scale_bucket = scale_bucket
-        self.direction = DirectionCheck(direction_check)  # out of range: ValueError
-        mode = _downlink_mode(downlink, grid_levels, grid_log_size, resync_interval)
+        mode = downlink_mode(downlink, grid_levels, grid_log_size, resync_interval)
         if mode != "delta" and downlink_steps != 1:
             raise ValueError(f"downlink_steps applies to the delta downlink only, not {mode!r}")
         self.strategy = strategy
@@ -222,15 +208,13 @@ class TernaryDelta(Strategy):
         self.skipped: list[int] = []
         self.last_report: RoundReport | None = None
         self.admission = DeltaAdmission(
-            ScaleBound(scale_bound, scale_bound_action, scale_bound_rounds), resync_interval
+            ScaleBound(scale_bound, scale_bound_action, scale_bound_rounds),
+            resync_interval,
+            DirectionCheck(direction_check),  # out of range: ValueError
         )
-        #: What was sent and saved over the run (each exchange's counts are in the
-        #: aggregated metrics); the plain notices.
-        self.traffic = Traffic()
-        self.notices = Notices()
-        self._exchange = Traffic()
+        #: The exchanges' counts, the run's totals and the plain notices.
+        self.traffic_log = TrafficLog()
         self._plain: set[int] = set()
-        self._known: set[int] = set()
         self.assume_mod = assume_mod
         self._modded: set[int] = set()  # nodes that answered with the mod's record
         self._whole: set[int] = set()  # nodes whose last message was the whole model
@@ -270,8 +254,8 @@ class TernaryDelta(Strategy):
         arrays, metrics = self.strategy.aggregate_train(
             server_round, self._incoming(server_round, replies)
         )
-        metrics = self._report(metrics)
-        bad = None if arrays is None else _non_finite_array(arrays)
+        metrics = self.traffic_log.close(metrics)
+        bad = None if arrays is None else non_finite_array(arrays)
         if bad is not None:
             self.skipped.append(server_round)
             log(_WARNING, "TernaryDelta skipped round %s: the aggregate's %r is not finite; "
@@ -292,17 +276,13 @@ class TernaryDelta(Strategy):
     ) -> MetricRecord | None:
         """Strip this wrapper's records, then aggregate with the wrapped strategy."""
         incoming = self._incoming(server_round, replies)
-        return self._report(self.strategy.aggregate_evaluate(server_round, incoming))
+        return self.traffic_log.close(self.strategy.aggregate_evaluate(server_round, incoming))
 
-    def _report(self, metrics: MetricRecord | None) -> MetricRecord | None:
-        """``metrics`` with the exchange's traffic (None: no metrics and no model sent);
-        the notices logged; a new exchange."""
-        self.notices.flush()
-        exchange, self._exchange = self._exchange, Traffic()
-        self.traffic.add(exchange)
-        if metrics is None and exchange == Traffic():
-            return None
-        return with_traffic(metrics, exchange)
+    @property
+    def traffic(self) -> Traffic:
+        """What was sent and saved over the run (each exchange's counts are in the
+        aggregated metrics)."""
+        return self.traffic_log.total
 
     # ------------------------------------------------------------------ downlink
     @property
@@ -322,23 +302,22 @@ class TernaryDelta(Strategy):
     def _outgoing(
         self, messages: Iterable[Message], arrays: ArrayRecord, server_round: int
     ) -> list[Message]:
-        self._exchange = Traffic()
+        self.traffic_log.exchange = Traffic()
         out = []
         layout: Layout | None = None
         for message in messages:
-            key = _model_key(message, arrays)
+            key = model_key(message, arrays)
             node = message.metadata.dst_node_id
             if key is None:
                 if message.has_content() and message.content.array_records:
-                    self.notices.note(node, "not-model", _NOT_MODEL)
+                    self.traffic_log.notices.note(node, "not-model", _NOT_MODEL)
                 out.append(message)
                 continue
             layout = layout_of(arrays) if layout is None else layout
             self._sent[node] = (message, key, layout)
             whole_bytes = array_bytes(message.content[key])
             if node in self._plain:
-                self._exchange.down(False, whole_bytes, whole_bytes)
-                self.notices.note(node, "no-mod", _NO_MOD)
+                self.traffic_log.plain_down(node, whole_bytes, "no-mod", _NO_MOD)
                 out.append(message)
                 continue
             self.broadcast.advance(arrays)
@@ -362,33 +341,15 @@ class TernaryDelta(Strategy):
         sent = array_bytes(content[key], content.get(UPDATES), content.get(GRID))
         meta = content[META]
         compressed = isinstance(meta, ConfigRecord) and meta.get("base", -1) != -1
-        self._exchange.down(compressed, whole, sent)
-        known = node in self._known
-        self._known.add(node)
+        known = self.traffic_log.down(node, compressed, whole, sent)
         if compressed:
             return
-        behind = self.version - held
-        if self.downlink == "none":
-            reason, text = "downlink-off", "got the whole model: downlink=False"
-        elif not known:
-            reason, text = "new", "got the whole model: first message (no broadcast model yet)"
-        elif held < 0:
-            reason, text = "lost", (
-                "got the whole model: its last reply failed or did not come, or its state "
-                "was lost"
-            )
-        elif behind > self.update_log_size * self.broadcast.steps:
-            reason, text = "behind", (
-                f"got the whole model: further behind than the update log "
-                f"(update_log_size={self.update_log_size})"
-            )
-        else:
-            reason, text = "new-broadcast", (
-                "got the whole model: the global model's layout or dtypes changed, or its "
-                "delta could not be encoded"
-            )
+        reason, text = whole_model_reason(
+            self.downlink, known, held, self.version - held,
+            self.update_log_size, self.update_log_size * self.broadcast.steps,
+        )  # fmt: skip
         level = _INFO if reason == "new" else _WARNING
-        self.notices.note(node, f"{reason}@{self.version}" if reason == "new-broadcast"
+        self.traffic_log.notices.note(node, f"{reason}@{self.version}" if reason == "new-broadcast"
                           else reason, text, level)  # fmt: skip
 
     # ------------------------------------------------------------------ uplink
@@ -413,9 +374,9 @@ class TernaryDelta(Strategy):
                 continue
             content = reply.content
             if META not in content:
-                self._note_plain_up(node, content, _NO_MOD, "no-mod")
-                admitted = instruction is not None and self._admit_plain(
-                    node, content, instruction[1:], report
+                self.traffic_log.plain_up(node, content, _NO_MOD, "no-mod")
+                admitted = instruction is not None and self.admission.admit_plain(
+                    node, content, instruction[1], instruction[2], report
                 )
                 if admitted and node not in self._plain:  # the node runs no ternary_mod
                     self._plain.add(node)
@@ -431,11 +392,13 @@ class TernaryDelta(Strategy):
             )
             if meta is not None and meta.record is None:
                 assert isinstance(parsed.reply, ClientReply)
-                self._note_plain_up(node, content, _PLAIN_REPLY, "plain-reply")
+                self.traffic_log.plain_up(node, content, _PLAIN_REPLY, "plain-reply")
                 if self.admission.acknowledge(parsed.reply, report):
-                    out[index] = _without_ours(reply, None, None)
+                    out[index] = without_ours(reply, None, None)
                     if instruction is not None:  # its arrays: as a plain reply's
-                        self._admit_plain(node, reply.content, instruction[1:], report)
+                        self.admission.admit_plain(
+                            node, reply.content, instruction[1], instruction[2], report
+                        )
             else:
                 compressed.append(parsed.reply)
         self._restore(compressed, replies, position, out, report)
@@ -445,27 +408,6 @@ class TernaryDelta(Strategy):
         self._sent.clear()
         self._account(report, replies, sent, out)
         return [reply for reply in out if reply is not None]
-
-    def _note_plain_up(self, node: int, content: RecordDict, text: str, reason: str) -> None:
-        """Count a reply whose arrays travelled plain (one without arrays carries no model)."""
-        records = [r for name, r in content.array_records.items() if name != DELTA]
-        if not any(len(r) for r in records):
-            return
-        size = array_bytes(*records)
-        self._exchange.up(False, size, size)
-        self.notices.note(node, reason, text)
-
-    def _admit_plain(
-        self, node: int, content: RecordDict, asked: tuple[str, Layout], report: RoundReport
-    ) -> bool:
-        """Whether a reply whose arrays travelled plain passes (else dropped in ``report``)."""
-        key, layout = asked
-        try:
-            check_plain_reply(node, content, key, layout)
-        except PayloadRejected as err:
-            self.admission.refuse(report, node, err)
-            return False
-        return True
 
     def _restore(
         self,
@@ -489,9 +431,9 @@ class TernaryDelta(Strategy):
             report,
             self.scale_bucket,
         )
-        for node, delta in self._directed(admitted, report):
+        for node, delta in self.admission.directed(admitted, report):
             index, record, dtypes = position[node]
-            weights = _restored(broadcast.exact, delta, dtypes or held)
+            weights = restored(broadcast.exact, delta, dtypes or held)
             bad = next((n for n, w in weights.items() if not bool(torch.isfinite(w).all())), None)
             if bad is not None:
                 self.admission.refuse(report, node, PayloadRejected(
@@ -503,25 +445,9 @@ class TernaryDelta(Strategy):
             sent = content.get(record or "")
             assert isinstance(sent, ArrayRecord)  # parse_delta_reply checked it
             model = join_model(broadcast.names, weights, dict(sent.items()))
-            self._exchange.up(True, array_bytes(model), array_bytes(sent, content.get(DELTA)))
-            out[index] = _without_ours(replies[index], record, model)
-
-    def _directed(
-        self, admitted: Iterable[tuple[int, dict[str, torch.Tensor]]], report: RoundReport
-    ) -> Iterable[tuple[int, dict[str, torch.Tensor]]]:
-        """The admitted deltas whose direction passes the direction check (copies when it is
-        on); the others are dropped (the node still holds the broadcast model)."""
-        if not self.direction.enabled:
-            return admitted
-        kept = [(node, {n: t.clone() for n, t in delta.items()}) for node, delta in admitted]
-        passed = []
-        for (node, delta), verdict in zip(kept, self.direction.screen(kept), strict=True):
-            if verdict.reason:
-                level = self.direction.log_level(node)
-                drop(report, node, OpposedDirection(verdict.reason), level)
-            else:
-                passed.append((node, delta))
-        return passed
+            sent_bytes = array_bytes(sent, content.get(DELTA))
+            self.traffic_log.exchange.up(True, array_bytes(model), sent_bytes)
+            out[index] = without_ours(replies[index], record, model)
 
     def _account(
         self,
@@ -540,16 +466,13 @@ class TernaryDelta(Strategy):
             if node not in report.dropped or reply.has_error():
                 continue
             error = report.errors.get(node)
-            kind = _kind(error)
+            kind = fault_kind(error)
             self.dropped[kind] = self.dropped.get(kind, 0) + 1
             why = report.dropped[node]
             reason = f"TernaryDelta dropped the reply of node {node} ({kind}): {why}"
             log(_WARNING, reason)
             instruction = sent.get(node)
-            out[index] = None if instruction is None else Message(
-                Error(code=ErrorCode.MOD_FAILED_PRECONDITION, reason=reason),
-                reply_to=instruction,
-            )  # fmt: skip
+            out[index] = None if instruction is None else error_reply(instruction, reason)
 
 
 _NO_MOD = "runs no ternary_mod: its messages and replies travel plain"
@@ -558,81 +481,3 @@ _NOT_MODEL = (
     "built it"
 )
 _PLAIN_REPLY = "sent its reply's arrays uncompressed (its ternary_mod logs why)"
-
-
-def _restored(
-    exact: dict[str, torch.Tensor], delta: dict[str, torch.Tensor], dtypes: list[str]
-) -> dict[str, torch.Tensor]:
-    """The global model plus a reply's delta, added in the wider dtype, in the reply's
-    ``dtypes``."""
-    out = {}
-    for i, (name, tensor) in enumerate(exact.items()):
-        dtype = FLOAT_DTYPES[dtypes[i]]
-        wide = torch.promote_types(tensor.dtype, UPLINK_DTYPE)
-        out[name] = (tensor.to(wide) + delta[name].to(wide)).to(dtype)
-    return out
-
-
-def _downlink_mode(
-    downlink: bool | str, grid_levels: int, grid_log_size: int, resync_interval: int
-) -> str:
-    """The downlink mode of :class:`TernaryDelta`'s settings (checked)."""
-    mode = ("delta" if downlink else "none") if isinstance(downlink, bool) else downlink
-    if mode not in DOWNLINKS:
-        raise ValueError(
-            f"downlink must be True, False or one of {', '.join(DOWNLINKS)}, got {downlink!r}"
-        )
-    for name, value, most in (("grid_levels", grid_levels, 127),
-                              ("grid_log_size", grid_log_size, MAX_CAPACITY)):  # fmt: skip
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
-            raise ValueError(f"{name} must be an int in [1, {most}], got {value!r}")
-    if isinstance(resync_interval, bool) or not isinstance(resync_interval, int) or (
-        resync_interval < 0
-    ):
-        raise ValueError(f"resync_interval must be an int >= 0, got {resync_interval!r}")
-    return str(mode)
-
-
-def _without_ours(reply: Message, record: str | None, model: ArrayRecord | None) -> Message:
-    """``reply`` without this wrapper's records, its ``record`` replaced by ``model``."""
-    out = RecordDict()
-    for name, found in reply.content.items():
-        if name in (META, DELTA):
-            continue
-        out[name] = model if name == record and model is not None else found
-    reply.content = out
-    return reply
-
-
-def _kind(error: ReplyError | None) -> str:
-    """The kind of fault: the error that caused the rejection, else the rejection's class."""
-    if error is None:
-        return "rejected"
-    cause = error.__cause__
-    return type(cause if isinstance(cause, Exception) else error).__name__
-
-
-def _model_key(message: Message, arrays: ArrayRecord) -> str | None:
-    """Name of the record in ``message`` that carries the global model, if any."""
-    if message.has_error() or not message.has_content():
-        return None
-    records = message.content.array_records
-    for key, record in records.items():
-        if record is arrays:
-            return key
-    for key, record in records.items():
-        if same_layout(record, arrays):
-            return key
-    return None
-
-
-def _non_finite_array(arrays: ArrayRecord) -> str | None:
-    """The name of a float Array of ``arrays`` with a non-finite value, if any."""
-    for name, array in arrays.items():
-        try:
-            values = array.numpy()
-        except Exception:  # not readable: not ours to judge
-            continue
-        if values.dtype.kind == "f" and not bool(np.isfinite(values).all()):
-            return name
-    return None
