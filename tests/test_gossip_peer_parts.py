@@ -12,6 +12,7 @@ from fedddl.gossip.admission import RejectedFrame
 from fedddl.gossip.compressed import LINK_OUT_OF_SYNC
 from fedddl.gossip.frame_checks import check_frame
 from fedddl.gossip.held_frames import NOT_READY, HeldFrames
+from fedddl.gossip.inbox import Inbox
 from fedddl.gossip.node_metrics import NodeCounters, counter_metrics
 from fedddl.gossip.peer_backoff import FINISHED, PeerBackoff, failure_kind
 from fedddl.gossip.scheduler import PeerState
@@ -100,3 +101,17 @@ def test_counter_metrics_are_json_keyed_by_peer() -> None:
     out = counter_metrics(counters)
     assert out["received"] == 3 and out["sent_to"] == {"1": 4}
     assert out["mean_transfer_s"] == {"1": 1.0}
+
+
+def test_inbox_keeps_the_newest_model_per_sender_and_sums_edge_updates() -> None:
+    inbox = Inbox()
+    inbox.add_model(2, {"w": torch.zeros(2)}, 3)
+    inbox.add_model(2, {"w": torch.ones(2)}, 5)  # replaces node 2's older model
+    inbox.add_correction({"w": torch.tensor([1.0, 2.0])}, 4)
+    inbox.add_correction({"w": torch.tensor([0.5, 0.5])}, None)  # one's own side
+    assert len(inbox) == 3
+    got = inbox.take()
+    assert list(got.models) == [2] and got.models[2][1] == 5
+    assert got.correction is not None and torch.equal(got.correction["w"], torch.tensor([1.5, 2.5]))
+    assert (got.corrections, got.correction_version, len(got)) == (2, 4, 3)
+    assert len(inbox) == 0 and inbox.take().correction_version == 4  # the clock carries over

@@ -34,6 +34,7 @@ from fedddl.gossip.compressed import CompressedGossip, LinkError, add_correction
 from fedddl.gossip.estimator import CommTimeEstimator
 from fedddl.gossip.frame_checks import check_frame
 from fedddl.gossip.held_frames import NOT_READY, HeldFrames
+from fedddl.gossip.inbox import Inbox
 from fedddl.gossip.merge import merge_models, version_weight
 from fedddl.gossip.node_config import NodeConfig, TrainingData
 from fedddl.gossip.node_metrics import NodeCounters, counter_metrics
@@ -129,10 +130,7 @@ class PeerNode:
         self._step = 0
         self._steps_per_s = 0.0
         self._ship_wait_s = 0.0  # training time spent waiting for sends (overlap=False)
-        self._pending: dict[int, tuple[dict[str, torch.Tensor], int]] = {}
-        self._correction: dict[str, torch.Tensor] | None = None  # summed edge updates
-        self._correction_version = 0
-        self._corrections = 0
+        self._inbox = Inbox()  # received since the last merge
         self._held = HeldFrames(config.hold_limit)
         self._receiving = 0  # frames being handled right now: our "downlink" is busy
         self._peer_states: dict[int, PeerState] = {}
@@ -314,9 +312,9 @@ class PeerNode:
             self._peer_states[sender] = frame.state
             self._counters.bytes_received += num_bytes
             if frame.kind is FrameKind.MODEL:
-                self._pending[sender] = (frame.tensors, version)
+                self._inbox.add_model(sender, frame.tensors, version)
             elif correction is not None:
-                self._add_correction_locked(correction, version)
+                self._inbox.add_correction(correction, version)
             if frame.kind.carries_model:
                 received = self._counters.received_from
                 received[sender] = received.get(sender, 0) + 1
@@ -360,18 +358,6 @@ class PeerNode:
             f"node {peer}", reason, "CLIPPED",
             f"difference norm {norm:.4g} clipped to {bound:.4g}", clip_level(reason),
         )
-
-    def _add_correction_locked(
-        self, correction: Mapping[str, torch.Tensor], version: int | None
-    ) -> None:
-        if self._correction is None:
-            self._correction = {k: v.clone() for k, v in correction.items()}
-        else:
-            for name, value in correction.items():
-                self._correction[name] += value
-        self._corrections += 1
-        if version is not None:
-            self._correction_version = max(self._correction_version, version)
 
     # ------------------------------------------------------------------ state
     def own_state(self) -> PeerState:
@@ -434,14 +420,11 @@ class PeerNode:
 
     def _merge_pending_locked(self) -> int:
         with self._state_lock:
-            pending, self._pending = self._pending, {}
-            correction, self._correction = self._correction, None
-            corrections, self._corrections = self._corrections, 0
-            correction_version = self._correction_version
-        if not pending and correction is None:
+            received = self._inbox.take()
+        if not received.models and received.correction is None:
             return 0
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        for sender, (tensors, version) in pending.items():
+        for sender, (tensors, version) in received.models.items():
             if self.clip is not None:
                 outcome = self.clip.clip(sender, difference(tensors, state), state)
                 if outcome.reason is not None:
@@ -455,11 +438,11 @@ class PeerNode:
             )
             state = merge_models(state, tensors, weight)
             self._version = max(self._version, version)  # Lamport clock over SGD steps
-        if correction is not None:  # compressed gossip: the summed edge updates
-            state = add_correction(state, correction)
-            self._version = max(self._version, correction_version)
+        if received.correction is not None:  # compressed gossip: the summed edge updates
+            state = add_correction(state, received.correction)
+            self._version = max(self._version, received.correction_version)
         self.model.load_state_dict(state)
-        merged = len(pending) + corrections
+        merged = len(received)
         with self._state_lock:
             self._counters.merged += merged
         return merged
@@ -533,7 +516,7 @@ class PeerNode:
                 correction = self._gossip.commit(update)
             correction = self._clipped(peer, correction)
             with self._state_lock:
-                self._add_correction_locked(correction, None)
+                self._inbox.add_correction(correction, None)
         return True
 
     def _choose_peer(self, frame_bytes: int) -> int | None:
@@ -636,7 +619,7 @@ class PeerNode:
         """JSON-able snapshot of the node's counters and accuracy history."""
         with self._state_lock:
             counters = counter_metrics(self._counters)
-            pending = len(self._pending) + self._corrections
+            pending = len(self._inbox)
         accuracy = list(self._accuracy)
         return {
             "node_id": self.node_id,
