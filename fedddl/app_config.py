@@ -384,9 +384,14 @@ class AppConfig:
 
     @property
     def resolved_scale_bucket(self) -> int:
-        """The scale buckets this run uses: ``scale_bucket``, with ``"auto"`` resolved
-        (:func:`fedddl.scale_bucket_choice.resolve_scale_bucket`; call it after
-        :meth:`import_plugins`).
+        """The scale buckets of this run's ``compressor``: :meth:`scale_bucket_for` it."""
+        return self.scale_bucket_for(self.compressor)
+
+    def scale_bucket_for(self, compressor: str) -> int:
+        """The scale buckets ``compressor`` sends with in this run: ``scale_bucket``, with
+        ``"auto"`` resolved (:func:`fedddl.scale_bucket_choice.resolve_scale_bucket`; call it
+        after :meth:`import_plugins`). A TernGrad server resolves it for the compressor it
+        names (``compressor_name()``), its clients for the one they are told to use.
 
         Raises
         ------
@@ -399,8 +404,8 @@ class AppConfig:
         return resolve_scale_bucket(
             self.scale_bucket,
             downlink=self.resolved_downlink,
-            compressor=self.compressor,
-            compressor_takes_buckets=takes_scale_bucket(self.compressor),
+            compressor=compressor,
+            compressor_takes_buckets=takes_scale_bucket(compressor),
         )
 
     def updated(self, run_config: Mapping[str, Any]) -> AppConfig:

@@ -6,7 +6,8 @@ they do not: the ``shared-scale-sum`` downlink (one shared scale per tensor) and
 that takes no ``scale_bucket`` (``ternary-entropy``; a plugin whose factory lacks the
 argument). Tensors without an output-channel dimension (biases, 1-D) keep one scale either
 way. An explicit value is used as given, and a non-zero one with such a setting is refused.
-Server and clients resolve it from the same run config, so they always agree.
+Server and clients resolve it from the same run config for the compressor the server names
+(``compressor_name()``, the one its instructions tell the clients), so they always agree.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from fedddl.app_config import AppConfig
 from fedddl.compression import takes_scale_bucket
 from fedddl.downlink_choice import resolve_downlink
 from fedddl.scale_bucket_choice import resolve_scale_bucket
+from fedddl.sync.server import ReplicaServer
 from strategies.replica_strategy import ReplicaStrategy
 
 __all__ = [
@@ -144,7 +145,7 @@ def run_server(
     config["num-clients"] = len(list(grid.get_node_ids()))
     config["strategy-class"] = f"{type(strategy).__module__}.{type(strategy).__qualname__}"
     config["resolved-downlink"] = cfg.resolved_downlink
-    config["resolved-scale-bucket"] = cfg.resolved_scale_bucket
+    config["resolved-scale-bucket"] = _scale_bucket_used(strategy, cfg)
     result: dict[str, Any] = {
         "config": config,
         "initial": recorder.initial,
@@ -165,6 +166,15 @@ def run_server(
         path.write_text(json.dumps(result, indent=1, allow_nan=False))
         log(INFO, "fedddl results written to %s", path)
     return result
+
+
+def _scale_bucket_used(strategy: Strategy, cfg: AppConfig) -> int:
+    """The scale buckets of the strategy's replica server (resolved for the compressor it
+    names), else the run config's for its ``compressor``."""
+    server = getattr(strategy, "server", None)
+    if isinstance(server, ReplicaServer):
+        return int(server.scale_bucket)
+    return cfg.resolved_scale_bucket
 
 
 def _fingerprint(replica: ReplicaStrategy) -> str:

@@ -32,6 +32,21 @@ from fedddl.scale_bucket_choice import (
     resolve_scale_bucket,
 )
 from strategies.server_app import _choices_resolved, run_server
+from strategies.terngrad import TernGrad
+
+
+def _per_tensor_only(seed: int = 0, clip_sigma: float = 2.5) -> TernaryCompressor:
+    return TernaryCompressor(seed=seed, clip_sigma=clip_sigma, codec="base3")
+
+
+register_compressor("test-per-tensor-only", _per_tensor_only, overwrite=True)
+
+
+class PerTensorTernGrad(TernGrad):
+    """A user's strategy naming a ternary compressor that takes no scale buckets."""
+
+    def compressor_name(self) -> str:
+        return "test-per-tensor-only"
 
 
 @pytest.mark.parametrize(
@@ -190,3 +205,23 @@ def test_a_checkpoint_older_than_the_key_ran_per_tensor() -> None:
     assert _choices_resolved({"scale-bucket": "auto"})["scale-bucket"] == PER_CHANNEL
     shared = {"scale-bucket": "auto", "downlink": "shared-scale-sum"}
     assert _choices_resolved(shared)["scale-bucket"] == 0
+
+
+def test_auto_follows_the_compressor_the_server_names() -> None:
+    run = _run(
+        2,
+        strategy="tests.test_scale_bucket_auto:PerTensorTernGrad",
+        plugins="tests.test_scale_bucket_auto",
+    )
+    assert AppConfig().resolved_scale_bucket == PER_CHANNEL  # the config's own compressor
+    assert run["config"]["resolved-scale-bucket"] == 0  # the one the server names
+    assert all(r["accepted"] and not r["dropped"] for r in run["rounds"]), run["rounds"]
+    plain = _run(2, compressor="test-per-tensor-only")
+    assert run["final_fingerprint"] == plain["final_fingerprint"] is not None
+    with pytest.raises(ValueError, match="'test-per-tensor-only' sends one scale per tensor"):
+        _run(
+            1,
+            strategy="tests.test_scale_bucket_auto:PerTensorTernGrad",
+            plugins="tests.test_scale_bucket_auto",
+            scale_bucket=-1,
+        )

@@ -121,7 +121,7 @@ class ReplicaServer:
         self.min_replies = min_replies
         self.fp32_warmup_rounds = fp32_warmup_rounds
         self.round_offset = 0
-        self.scale_bucket = scale_bucket
+        self.scale_bucket: int = scale_bucket
         build_compressor(  # validates
             name, seed=0, clip_sigma=clip_sigma, scale_bucket=scale_bucket
         )
