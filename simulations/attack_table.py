@@ -87,12 +87,14 @@ def run_config(
     rounds: int,
     downlink: str = "reternarize",
     arch: str = "",
+    scale_bucket: str = "",
 ) -> dict[str, Any]:
     """One cell's run-config keys (and ``num-clients``), as ``fedddl simulate`` takes them
-    (``arch`` only when given)."""
+    (``arch`` and ``scale_bucket`` only when given)."""
     return {
         "num-clients": CLIENTS, "num-server-rounds": rounds, "dataset": "digits",
         **({"arch": arch} if arch else {}),
+        **({"scale-bucket": scale_bucket} if scale_bucket else {}),
         "partition": "stratified", "seed": 0, "downlink": downlink,
         "attack": attack, "num-attackers": attackers, **COLUMNS[column],
     }  # fmt: skip
@@ -116,6 +118,7 @@ def run_inline(
     rounds: int,
     downlink: str = "reternarize",
     arch: str = "",
+    scale_bucket: str = "",
 ) -> dict[str, Any]:
     """One cell on the inline engine (no Ray): the results dict of the ServerApp loop."""
     import torch
@@ -124,7 +127,8 @@ def run_inline(
 
     torch.set_num_threads(1)
     logging.disable(logging.WARNING)  # per-round logs of 10 clients x many cells: the JSON has them
-    return run_simulate_inline(run_config(attack, attackers, column, rounds, downlink, arch))
+    keys = run_config(attack, attackers, column, rounds, downlink, arch, scale_bucket)
+    return run_simulate_inline(keys)
 
 
 def run_cell(
@@ -136,6 +140,7 @@ def run_cell(
     extra: list[str] | None,
     downlink: str = "reternarize",
     arch: str = "",
+    scale_bucket: str = "",
 ) -> dict[str, Any]:
     """Run (or read back) one cell's simulation (``extra`` None: in-process, else the
     extra ``fedddl simulate`` arguments of a Ray run)."""
@@ -143,7 +148,7 @@ def run_cell(
     if extra is None:
         if not path.exists():
             start = time.perf_counter()
-            data = run_inline(attack, attackers, column, rounds, downlink, arch)
+            data = run_inline(attack, attackers, column, rounds, downlink, arch, scale_bucket)
             data["runtime_s"] = time.perf_counter() - start
             path.write_text(json.dumps(data, indent=1, allow_nan=False))
             print(f"{path.name}: {data['final_accuracy']:.4f} in {data['runtime_s']:.0f} s")
@@ -158,7 +163,8 @@ def run_cell(
         command = [
             sys.executable, "-m", "fedddl", "simulate", "--strategy", "terngrad", "--quiet",
             "--out", str(path), *simulate_flags(run_config(attack, attackers, column, rounds,
-                                                           downlink, arch)), *extra,
+                                                           downlink, arch, scale_bucket)),
+            *extra,
         ]  # fmt: skip
         start = time.perf_counter()
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
@@ -312,6 +318,9 @@ def main() -> int:
     )
     parser.add_argument("--columns", default="", help="comma-separated columns to run ('': all)")
     parser.add_argument(
+        "--scale-bucket", default="", help="the run's scale-bucket ('': the default, 'auto')"
+    )
+    parser.add_argument(
         "--path",
         choices=("terngrad", "dropin", "gossip"),
         default="terngrad",
@@ -347,7 +356,8 @@ def main() -> int:
             continue
         extra = ["--cpus-per-client", args.cpus_per_client] if args.ray else None
         results[(attack, attackers, column)] = run_cell(
-            attack, attackers, column, args.rounds, out, extra, args.downlink, args.arch
+            attack, attackers, column, args.rounds, out, extra, args.downlink, args.arch,
+            args.scale_bucket,
         )
     print(tables(results, args.rounds, args.arch))
     return 0
