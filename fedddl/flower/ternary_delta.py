@@ -191,7 +191,10 @@ class TernaryDelta(Strategy):
         self.scale_bucket = scale_bucket
         mode = downlink_mode(downlink, grid_levels, grid_log_size, resync_interval)
         if mode != "delta" and downlink_steps != 1:
-            raise ValueError(f"downlink_steps applies to the delta downlink only, not {mode!r}")
+            raise ValueError(
+                "downlink_steps applies to the delta downlink only (downlink='delta'), "
+                f"not {mode!r}"
+            )
         self.strategy = strategy
         self.compressor = compressor
         self.clip_sigma = float(clip_sigma)
