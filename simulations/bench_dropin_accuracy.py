@@ -20,7 +20,8 @@ and down (serialized ``RecordDict`` sizes, :class:`fedddl.flower.grid.CountingGr
 plain to the variant over rounds 2 to the end, per seed and their mean, and writes every
 round's figures to ``--out`` (JSON). Also recorded per round of a drop-in run: the gap
 between the model the clients hold and the exact global model (its L2 norm, relative to
-the last round's step of the global model).
+the last round's step of the global model). ``--baseline`` takes the plain runs of earlier
+``--out`` files with the same settings (cut to ``--rounds``) instead of running them again.
 
     python -m simulations.bench_dropin_accuracy --strategies fedavg --epochs 1,3 \\
         --seeds 0,1,2 --rounds 15 --samples 1000
@@ -265,6 +266,27 @@ def _mean_diff(runs: list[dict[str, Any]], variant: str, at: int) -> float:
     return sum(diffs) / len(diffs) if diffs else float("nan")
 
 
+#: Settings a saved plain run must share with this command to stand in for its plain variant.
+_SAME = ("clients", "fraction", "samples", "test_samples", "lr")
+
+
+def load_baselines(
+    paths: list[str], args: argparse.Namespace
+) -> dict[tuple[str, int, int], dict[str, Any]]:
+    """``(strategy, epochs, seed) -> plain run`` from ``--out`` files of earlier commands
+    with the same settings and at least ``args.rounds`` rounds (cut to them)."""
+    found: dict[tuple[str, int, int], dict[str, Any]] = {}
+    for path in paths:
+        saved = json.loads(Path(path).read_text())
+        if any(saved["args"].get(k) != getattr(args, k) for k in _SAME):
+            continue
+        for run in saved["results"]:
+            if run["variant"] == "plain" and len(run["rounds"]) > args.rounds:
+                cut = dict(run, rounds=run["rounds"][: args.rounds + 1], baseline=path)
+                found.setdefault((run["strategy"], run["epochs"], run["seed"]), cut)
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--strategies", default="fedavg,fedmedian,fedtrimmedavg")
@@ -280,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--test-samples", type=int, default=2000)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--out", default="", help="JSON file for every round's figures")
+    parser.add_argument("--baseline", default="",
+                        help="comma-separated JSON files of earlier runs (--out) whose plain "
+                        "runs of the same settings stand in for the plain variant")  # fmt: skip
     args = parser.parse_args(argv)
 
     import torch
@@ -289,10 +314,14 @@ def main(argv: list[str] | None = None) -> int:
     report = report if args.rounds in report else [*report, args.rounds]
     logging.getLogger("flwr").setLevel(logging.WARNING)  # Flower's per-round log
     results = []
+    saved = load_baselines(args.baseline.split(","), args) if args.baseline else {}
     for seed in (int(s) for s in args.seeds.split(",")):
         for epochs in (int(e) for e in args.epochs.split(",")):
             for strategy in args.strategies.split(","):
                 for variant in args.variants.split(","):
+                    if variant == "plain" and (strategy, epochs, seed) in saved:
+                        results.append(saved[strategy, epochs, seed])
+                        continue
                     run = run_one(strategy, variant, seed=seed, epochs=epochs, args=args)
                     results.append(run)
                     last = run["rounds"][-1]["accuracy"]

@@ -151,7 +151,8 @@ def test_clients_hold_the_servers_broadcast_model_bit_for_bit() -> None:
 
     grid = InlineGrid(_client_app([ternary_mod]), NODES, tamper=look)
     sent = _spy(grid)
-    strategy = TernaryDelta(_fedavg(fraction_evaluate=1.0))  # all get the last broadcast
+    # the delta downlink (UPDATES, the model in context.state); all get the last broadcast
+    strategy = TernaryDelta(_fedavg(fraction_evaluate=1.0), downlink="delta")
     result, _ = _run(grid, strategy, rounds=4)
     assert result.arrays is not None and strategy.dropped == {}
     server = split_model(strategy.broadcast_model()).floats  # type: ignore[arg-type]
@@ -207,7 +208,7 @@ def test_scale_buckets_travel_both_ways() -> None:
         return reply
 
     grid = InlineGrid(_client_app([ternary_mod]), NODES, tamper=look)
-    strategy = TernaryDelta(_fedavg(fraction_evaluate=1.0), scale_bucket=8)
+    strategy = TernaryDelta(_fedavg(fraction_evaluate=1.0), scale_bucket=8, downlink="delta")
     result, _ = _run(grid, strategy, rounds=3)
     assert result.arrays is not None and strategy.dropped == {}
     server = split_model(strategy.broadcast_model()).floats  # type: ignore[arg-type]
@@ -300,7 +301,7 @@ def test_a_malformed_reply_is_dropped_with_its_reason(
 ) -> None:
     grid = InlineGrid(_client_app([ternary_mod]), NODES, tamper=_tampered(change))
     sent = _spy(grid)
-    strategy = TernaryDelta(_fedavg())
+    strategy = TernaryDelta(_fedavg(), downlink="delta")  # a resync is the whole model
     with caplog.at_level(logging.WARNING):
         result, _ = _run(grid, strategy, rounds=3)
     assert result.arrays is not None  # the server did not crash; rounds completed
@@ -334,7 +335,7 @@ def test_a_client_that_lost_its_state_recovers() -> None:
         return reply
 
     grid = InlineGrid(_client_app([ternary_mod]), NODES, before=wipe, tamper=look)
-    strategy = TernaryDelta(_fedavg(fraction_evaluate=1.0))
+    strategy = TernaryDelta(_fedavg(fraction_evaluate=1.0), downlink="delta")
     result, _ = _run(grid, strategy, rounds=5)
     assert result.arrays is not None
     failed = [(rnd, node) for rnd, node, error in outcome if error]
@@ -353,7 +354,7 @@ def test_a_corrupt_broadcast_is_refused_by_the_mod() -> None:
             updates[key] = bytes_to_array(bytes(data))
 
     grid = InlineGrid(_client_app([ternary_mod]), NODES, before=corrupt)
-    strategy = TernaryDelta(_fedavg())
+    strategy = TernaryDelta(_fedavg(), downlink="delta")
     replies: list[Message] = []
     original = grid.send_and_receive
 

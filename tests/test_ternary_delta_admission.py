@@ -176,7 +176,9 @@ def test_without_the_bound_a_huge_model_is_adopted_but_nothing_non_finite(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.WARNING):
-        strategy, result, seen, _ = _attack(_payload(_with_scale(3e38)), {2}, scale_bound=0)
+        strategy, result, seen, _ = _attack(
+            _payload(_with_scale(3e38)), {2}, scale_bound=0, downlink="delta"
+        )
     # the round-2 aggregate is finite but huge (3e38 / 4); the clients' next models are
     # not: their mods cannot encode them and send them plain, and the plain replies'
     # admission drops them for their non-finite values; every adopted model is finite

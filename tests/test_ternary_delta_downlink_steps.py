@@ -30,7 +30,7 @@ def _run(steps: int) -> tuple[TernaryDelta, InlineGrid, list[int], float]:
             counts.append(len(updates))
 
     grid = InlineGrid(_client_app([ternary_mod]), NODES, before=look)
-    strategy = TernaryDelta(_fedavg(fraction_evaluate=1.0), downlink_steps=steps)
+    strategy = TernaryDelta(_fedavg(fraction_evaluate=1.0), downlink="delta", downlink_steps=steps)
     result = strategy.start(
         grid=grid,
         initial_arrays=ArrayRecord(_net().state_dict()),

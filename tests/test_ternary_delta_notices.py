@@ -203,7 +203,7 @@ def test_a_node_whose_reply_failed_is_told_why_it_gets_the_whole_model(
         sent.append((rnd, context.node_id, UPDATES in message.content or meta["base"] != -1))
 
     grid.before = before
-    strategy = TernaryDelta(_fedavg(fraction_evaluate=0.0))
+    strategy = TernaryDelta(_fedavg(fraction_evaluate=0.0), downlink="delta")
     with caplog.at_level(logging.WARNING):
         _run(grid, strategy, rounds=ROUNDS)
     assert (3, 1001, False) in sent  # the whole model, after its empty reply

@@ -307,10 +307,12 @@ def test_a_strategy_of_another_dtype_compresses_both_ways_from_round_1(dtype: st
     assert up > 8 and down > 4, (up, down)
 
 
-def test_fedadam_turning_float32_into_float64_keeps_compressing_both_ways() -> None:
+@pytest.mark.parametrize("downlink", ["grid", "delta"])
+def test_fedadam_turning_float32_into_float64_keeps_compressing_both_ways(downlink: str) -> None:
     """FedAdam returns float64 from round 1 on: the clients keep the float32 broadcast
-    model and receive float32 deltas; every reply of every round goes up compressed and
-    reaches FedAdam as the app sent it (float32)."""
+    model and receive float32 updates (grid counts or deltas, never a fresh start); every
+    reply of every round goes up compressed and reaches FedAdam as the app sent it
+    (float32)."""
     seen: list[set[str]] = []
 
     class Spy(FedAdam):
@@ -323,7 +325,7 @@ def test_fedadam_turning_float32_into_float64_keeps_compressing_both_ways() -> N
 
     grid = InlineGrid(_client_app(), NODES)
     wire = _Wire(grid)
-    strategy = TernaryDelta(Spy(**_sampling(), eta=0.05))
+    strategy = TernaryDelta(Spy(**_sampling(), eta=0.05), downlink=downlink)
     result, _ = _run(strategy, grid, ArrayRecord(_net().state_dict()), rounds=4)
     assert result.arrays["0.weight"].dtype == "float64" and seen == [{"float32"}] * 4
     assert wire.named_dtypes == {False}  # the replies' dtypes are the broadcast model's

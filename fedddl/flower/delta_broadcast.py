@@ -9,8 +9,9 @@ misses, or the whole model when the log does not reach back far enough.
 
 The broadcast model keeps the dtypes of the first global model it was sent: when the
 wrapped strategy returns its model in another float dtype (FedAdam and QFedAvg turn float32
-into float64), the deltas are cast to the broadcast model's dtypes and the nodes keep
-receiving deltas; only another layout (names, shapes, integer arrays) starts anew.
+into float64), the deltas (or the grid's targets) are cast to the broadcast model's dtypes
+and the nodes keep receiving deltas; only another layout (names, shapes, integer arrays)
+starts anew.
 
 With ``downlink="grid"`` the float arrays live on an integer grid instead
 (:class:`~fedddl.flower.delta_grid.GridDownlink`): each node gets one message of summed
@@ -116,7 +117,7 @@ class DeltaBroadcast:
         self._target = fingerprint
         layout = layout_of(arrays)
         if self.downlink == "grid":
-            self._advance_grid(target, layout, not self.names or layout != self.layout)
+            self._advance_grid(target, layout, not self._follows(target, layout))
             return
         fresh = self.downlink == "none" or not self._follows(target, layout)
         self.layout, self.others, self.exact = layout, target.others, target.floats
@@ -158,8 +159,11 @@ class DeltaBroadcast:
             grid = GridDownlink(
                 self.grid_levels, self.grid_log_size, self.seed, self.version, self.clip_sigma
             )
+        wanted = target.floats
+        if not fresh:  # in the broadcast model's dtypes, whatever the strategy's
+            wanted = {n: t.to(self.floats[n].dtype) for n, t in wanted.items()}
         try:
-            floats = grid.advance(target.floats)
+            floats = grid.advance(wanted)
         except ValueError as err:
             if not fresh and grid.ready:
                 log(logging.WARNING, "TernaryDelta keeps the broadcast model: %s", err)

@@ -10,12 +10,15 @@ Wrap any Flower :class:`~flwr.serverapp.strategy.Strategy`; add
     result = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=10)
 
 **Downlink** (:mod:`fedddl.flower.delta_broadcast`). Each new global model moves the
-*broadcast model* (what the clients hold) by a ternary-encoded delta of the whole gap to it
-(what one delta could not carry goes with the next). A node that holds a version still in
-the log (``update_log_size``) gets only the deltas it misses; a new node, one further behind
-or one whose last reply failed gets the whole broadcast model. With ``downlink="grid"``
-(:mod:`fedddl.flower.delta_grid`) a node gets one message of summed integer counts, whatever
-it missed. Resyncs a node causes are rate-limited (``resync_interval``).
+*broadcast model* (what the clients hold) towards it by a quantized step of the whole gap
+(what one step could not carry goes with the next). By default (``downlink="grid"``,
+:mod:`fedddl.flower.delta_grid`) the broadcast model lives on an integer grid and a node
+that has answered once with the mod gets one message of summed integer counts, whatever it
+missed; its first message is the whole model, which a node without the mod can read. With
+``downlink="delta"`` the steps are ternary deltas: a node that holds a version still in the
+log (``update_log_size``) gets only the deltas it misses; a new node, one further behind
+or one whose last reply failed gets the whole broadcast model. Resyncs a node causes are
+rate-limited (``resync_interval``).
 
 **Uplink.** The mod encodes each reply's model as ``reply - broadcast model`` (with a
 client-side residual memory for error feedback); the wrapper decodes it and adds it to
@@ -103,10 +106,11 @@ class TernaryDelta(Strategy):
         Residual memory on each client for the uplink (what a delta could not carry is
         sent later); the downlink corrects its error by construction.
     downlink : bool or str
-        ``"delta"`` (or ``True``): send deltas of the global model to nodes that hold a
-        recent broadcast; ``"grid"``: the broadcast model lives on an integer grid and
-        every node gets one message of summed integer counts, never a whole fp32 model
-        (:mod:`fedddl.flower.delta_grid`); ``"none"`` (or ``False``): every message carries
+        ``"grid"`` (default): the broadcast model lives on an integer grid and every node
+        that answered once with the mod gets one message of summed integer counts, never
+        a whole fp32 model (:mod:`fedddl.flower.delta_grid`); ``"delta"`` (or ``True``):
+        send ternary deltas of the global model to nodes that hold a recent broadcast,
+        the whole model to the others; ``"none"`` (or ``False``): every message carries
         the whole, exact global model.
     update_log_size : int
         Global models' worth of encoded downlink deltas kept for nodes that missed rounds
@@ -127,9 +131,9 @@ class TernaryDelta(Strategy):
         Rounds at the start whose replies are sent without the uplink's error feedback
         (no residual added or kept); from the next round on, ``error_feedback`` applies.
     downlink_steps : int
-        Ternary deltas that move the broadcast model towards each new global model (each
-        one of the gap that remains): more steps, a closer broadcast model, that many
-        times the bytes of a delta message.
+        ``"delta"``: ternary deltas that move the broadcast model towards each new global
+        model (each one of the gap that remains): more steps, a closer broadcast model,
+        that many times the bytes of a delta message.
     scale_bound, scale_bound_action, scale_bound_rounds : float, str, int
         The bound on each reply's delta scales (:class:`~fedddl.sync.scale_bound.ScaleBound`:
         ``factor`` × the median of this round's and the last ``rounds`` rounds' scales;
@@ -155,7 +159,7 @@ class TernaryDelta(Strategy):
         compressor: str = "ternary-threshold-base3",
         clip_sigma: float = 2.5,
         error_feedback: bool = True,
-        downlink: bool | str = True,
+        downlink: bool | str = "grid",
         update_log_size: int = 4,
         grid_levels: int = 1,
         grid_log_size: int = 64,
@@ -187,7 +191,10 @@ class TernaryDelta(Strategy):
         self.scale_bucket = scale_bucket
         mode = downlink_mode(downlink, grid_levels, grid_log_size, resync_interval)
         if mode != "delta" and downlink_steps != 1:
-            raise ValueError(f"downlink_steps applies to the delta downlink only, not {mode!r}")
+            raise ValueError(
+                "downlink_steps applies to the delta downlink only (downlink='delta'), "
+                f"not {mode!r}"
+            )
         self.strategy = strategy
         self.compressor = compressor
         self.clip_sigma = float(clip_sigma)
