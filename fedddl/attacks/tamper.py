@@ -37,6 +37,7 @@ from fedddl.sync.messages import ClientReply
 
 __all__ = [
     "MANY_TENSORS",
+    "Recode",
     "forged_statistics",
     "many_tensors_payload",
     "rewrite_payload",
@@ -77,6 +78,12 @@ def tamper_reply(reply: ClientReply, attack: Attack) -> ClientReply:
         )
     if attack.kind == "many-tensors":
         return dataclasses.replace(reply, payload=many_tensors_payload())
+    if attack.kind == "adaptive":
+        from fedddl.attacks.adaptive import ADAPTIVE_SHARE, adaptive_payload
+
+        assert attack.arg is not None
+        forged = adaptive_payload(reply.payload, attack.arg, ADAPTIVE_SHARE)
+        return dataclasses.replace(reply, payload=forged)
     if attack.kind in _PAYLOAD_KINDS:
         scales = reply.scales
         if attack.kind == "scale" and scales is not None:  # the reported local scales too
@@ -132,7 +139,7 @@ def rewrite_payload(payload: bytes, attack: Attack) -> bytes:
             scale = float(per_bucket.max()) if per_bucket.numel() else 0.0
         scales[entry.name] = float(np.float32(scale))
         codecs[entry.name] = (entry.codec, entry.bucket, per_bucket)
-    return encode_update(values, _Recode(codecs), scales=scales)
+    return encode_update(values, Recode(codecs), scales=scales)
 
 
 def _scaled_statistics(statistics: bytes, factor: float) -> bytes:
@@ -197,7 +204,7 @@ def many_tensors_payload() -> bytes:
     return body + struct.pack("<I", zlib.crc32(body))
 
 
-class _Recode(Compressor):
+class Recode(Compressor):
     """Encodes given codes (the signs of the input) at given scales; dense without a scale.
 
     Parameters
