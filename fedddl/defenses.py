@@ -26,7 +26,8 @@ combined, encoded or applied is skipped and logged; sums cannot overflow
   values (:mod:`fedddl.sync.direction`; 0: both off);
 * ``norm_clip`` (``norm-clip``): per tensor, a reply whose norm is above that multiple of
   the lower median of the round's norms (after the direction check) is scaled down to it
-  (:mod:`fedddl.sync.norm_clip`; 0: off);
+  (:mod:`fedddl.sync.norm_clip`; 0: off; not with the ``shared-scale-sum`` downlink,
+  whose values are all at the server's shared scales);
 * ``resync_interval`` (``resync-interval``): resyncs a node causes are served at most once
   every that many rounds (:mod:`fedddl.sync.resync_limit`).
 """
@@ -57,7 +58,7 @@ class Defenses:
     resync_interval: int = 30
     direction_check: float = 0.1
     statistics_bound: float = 4.0
-    norm_clip: float = 0.0
+    norm_clip: float = 1.5
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the bad setting."""

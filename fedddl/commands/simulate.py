@@ -215,7 +215,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--norm-clip",
         type=float,
-        default=0.0,
+        default=1.5,
         help="per tensor, scale a reply whose norm is above this multiple of the round's "
         "median norm down to it (0: off)",
     )

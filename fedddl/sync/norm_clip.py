@@ -9,7 +9,10 @@ tensor is scaled down to it, so one reply moves each tensor of the mean at most
 ``factor ×`` as far as the median reply does. The reply keeps its direction; each clip
 names the tensors and the factor applied.
 
-``factor = 0`` disables it (contributions stream through untouched). Memory: one float32
+``factor = 0`` disables it (contributions stream through untouched). The server does not
+clip with the ``shared-scale-sum`` downlink: there every admitted value is already at the
+shared scale the server chose (and the direction check's density limit bounds the count of
+non-zero values), and a scaled reply would no longer sum exactly in codes. Memory: one float32
 copy of every contribution (as the direction check's; none more when the contributions
 are already copies).
 """

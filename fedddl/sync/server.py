@@ -124,7 +124,10 @@ class ReplicaServer:
         self.defenses = defenses if defenses is not None else Defenses()
         self.scale_bound = self._new_scale_bound()
         self.direction = DirectionCheck(self.defenses.direction_check)
-        self.norm_clip = NormClip(self.defenses.norm_clip)
+        # shared-scale-sum: every admitted value is at the server's shared scale already (and
+        # the density check bounds the count); a scaled reply would break the exact code sums
+        exact_sums = downlink == "shared-scale-sum"
+        self.norm_clip = NormClip(0.0 if exact_sums else self.defenses.norm_clip)
         self.replica: ShadowReplica | GridShadow
         if downlink == "grid":
             self.replica = GridShadow(
