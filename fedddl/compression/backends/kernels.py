@@ -5,7 +5,9 @@ Each kernel computes bit for bit what the numpy code beside its caller computes 
 stochastic rule of :mod:`.ternarize` in float32, no fused multiply-add, fused with the
 random stream and packing), :func:`unpack_base3` / :func:`unpack_2bit` (the tables of
 :mod:`.unpacking`) and :func:`lane_statistics` (the float64 lanes of :mod:`.statistics`).
-All release the GIL, so the thread pool runs them in parallel.
+All release the GIL, so the thread pool runs them in parallel. The kernels and the
+helpers they inline stay in this one file: numba's on-disk cache keys a compiled kernel on
+its own file only, so a helper edited in another file would leave stale cached kernels.
 """
 
 from __future__ import annotations
