@@ -81,3 +81,11 @@ def test_the_server_lists_and_logs_a_clipped_reply_once(caplog: pytest.LogCaptur
         assert 4 in report.clipped and "median" in report.clipped[4]
         assert report.accepted == list(nodes)
     assert sum("clipping reply" in r.message and "node 4" in r.message for r in caplog.records) == 1
+
+
+def test_the_server_clips_by_default_but_not_with_exact_code_sums() -> None:
+    def net() -> torch.nn.Module:
+        return torch.nn.Linear(4, 2)
+
+    assert ReplicaServer(net).norm_clip.factor == 1.5
+    assert not ReplicaServer(net, downlink="shared-scale-sum").norm_clip.enabled
