@@ -22,6 +22,8 @@ from fedddl.defenses import Defenses
 from fedddl.devices import check_device_name
 from fedddl.downlink_choice import AUTO, resolve_downlink
 from fedddl.lr_decay import StepDecay
+from fedddl.scale_bucket_choice import AUTO as AUTO_BUCKET
+from fedddl.scale_bucket_choice import parse_scale_bucket, resolve_scale_bucket
 
 if TYPE_CHECKING:
     import torch
@@ -116,10 +118,13 @@ class AppConfig:
         The last ``nn.Linear``'s parameters travel in fp32 both ways.
     fp32_warmup_rounds : int
         The first rounds send everything in fp32 (the ``identity`` compressor).
-    scale_bucket : int
-        Scales of the ternary codes, both ways: 0 one per tensor (TernGrad's layer-wise
+    scale_bucket : int or str
+        Scales of the ternary codes, both ways: ``"auto"`` (default: -1 where the downlink
+        and compressor carry buckets, else 0; :mod:`fedddl.scale_bucket_choice`, the choice
+        made is :attr:`resolved_scale_bucket`); 0 one per tensor (TernGrad's layer-wise
         scaler); ``N > 0`` one per bucket of ``N`` consecutive values; -1 one per output
-        channel (:mod:`fedddl.compression.algorithms.ternary_buckets`). Not with the
+        channel (:mod:`fedddl.compression.algorithms.ternary_buckets`; a tensor of one
+        dimension keeps one scale). A non-zero value is refused with the
         ``shared-scale-sum`` downlink or ``ternary-entropy``.
     update_log_size : int
         Encoded broadcast updates the server keeps for catch-up; further behind gets a snapshot.
@@ -226,7 +231,7 @@ class AppConfig:
     fp32_min_numel: int = 0
     fp32_logits: bool = True
     fp32_warmup_rounds: int = 0
-    scale_bucket: int = 0
+    scale_bucket: int | str = AUTO_BUCKET
     update_log_size: int = 8
     grid_levels: int = 1
     grid_log_size: int = 256
@@ -314,16 +319,8 @@ class AppConfig:
             raise ValueError(f"fp32-min-numel must be >= 0, got {self.fp32_min_numel}")
         if self.fp32_warmup_rounds < 0:
             raise ValueError(f"fp32-warmup-rounds must be >= 0, got {self.fp32_warmup_rounds}")
-        if self.scale_bucket < -1:
-            raise ValueError(
-                f"scale-bucket must be 0 (per tensor), N > 0 or -1 (per output channel), "
-                f"got {self.scale_bucket}"
-            )
-        if self.scale_bucket and self.downlink == "shared-scale-sum":
-            raise ValueError(
-                "scale-bucket needs downlink 'reternarize' or 'grid' (the shared-scale sum "
-                "needs one scale per tensor)"
-            )
+        object.__setattr__(self, "scale_bucket", parse_scale_bucket(self.scale_bucket))
+        self._check_scale_bucket()
         if self.eval_every < 1:
             raise ValueError(f"eval-every must be >= 1, got {self.eval_every}")
         if self.eval_samples < 0:
@@ -344,6 +341,23 @@ class AppConfig:
         if attack is not None and self.num_attackers == 0:
             raise ValueError(f"attack {self.attack!r} needs num-attackers >= 1")
 
+    def _check_scale_bucket(self) -> None:
+        """Refuse an explicit non-zero ``scale-bucket`` the downlink or a registered
+        compressor cannot carry (a plugin's compressor is checked by
+        :attr:`resolved_scale_bucket`, once the plugins are imported)."""
+        takes = True
+        if self.scale_bucket not in (AUTO_BUCKET, 0):
+            from fedddl.compression import available_compressors, takes_scale_bucket
+
+            if self.compressor in available_compressors():
+                takes = takes_scale_bucket(self.compressor)
+        resolve_scale_bucket(
+            self.scale_bucket,
+            downlink=self.downlink,
+            compressor=self.compressor,
+            compressor_takes_buckets=takes,
+        )
+
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> AppConfig:
         """Build from a Flower ``run_config`` (kebab-case keys); missing keys keep defaults.
@@ -361,7 +375,8 @@ class AppConfig:
             f = by_key.get(key)
             if f is None:
                 raise ValueError(_unknown_key_message(key, by_key))
-            kwargs[f.name] = _coerce(key, value, f.default)
+            parse = _PARSERS.get(key)
+            kwargs[f.name] = parse(value) if parse else _coerce(key, value, f.default)
         return cls(**kwargs)
 
     @property
@@ -370,6 +385,32 @@ class AppConfig:
         (:func:`fedddl.downlink_choice.resolve_downlink`)."""
         return resolve_downlink(
             self.downlink, strategy=self.strategy, fraction_train=self.fraction_train
+        )
+
+    @property
+    def resolved_scale_bucket(self) -> int:
+        """The scale buckets of this run's ``compressor``: :meth:`scale_bucket_for` it."""
+        return self.scale_bucket_for(self.compressor)
+
+    def scale_bucket_for(self, compressor: str) -> int:
+        """The scale buckets ``compressor`` sends with in this run: ``scale_bucket``, with
+        ``"auto"`` resolved (:func:`fedddl.scale_bucket_choice.resolve_scale_bucket`; call it
+        after :meth:`import_plugins`). A TernGrad server resolves it for the compressor it
+        names (``compressor_name()``), its clients for the one they are told to use.
+
+        Raises
+        ------
+        ValueError
+            For an unknown compressor, or a non-zero ``scale_bucket`` with one that takes
+            no scale buckets.
+        """
+        from fedddl.compression import takes_scale_bucket
+
+        return resolve_scale_bucket(
+            self.scale_bucket,
+            downlink=self.resolved_downlink,
+            compressor=compressor,
+            compressor_takes_buckets=takes_scale_bucket(compressor),
         )
 
     def updated(self, run_config: Mapping[str, Any]) -> AppConfig:
@@ -443,6 +484,10 @@ class AppConfig:
     def replace(self, **changes: Any) -> AppConfig:
         """Return a copy with ``changes`` (snake_case field names) applied."""
         return dataclasses.replace(self, **changes)
+
+
+#: Keys whose values are not of one type, with their own parser (``ValueError`` if bad).
+_PARSERS: dict[str, Callable[[Any], Any]] = {"scale-bucket": parse_scale_bucket}
 
 
 def _unknown_key_message(key: str, known: Mapping[str, Any]) -> str:

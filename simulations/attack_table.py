@@ -89,13 +89,15 @@ def run_config(
     rounds: int,
     downlink: str = "reternarize",
     arch: str = "",
+    scale_bucket: str = "",
     seed: int = 0,
 ) -> dict[str, Any]:
     """One cell's run-config keys (and ``num-clients``), as ``fedddl simulate`` takes them
-    (``arch`` only when given)."""
+    (``arch`` and ``scale_bucket`` only when given)."""
     return {
         "num-clients": CLIENTS, "num-server-rounds": rounds, "dataset": "digits",
         **({"arch": arch} if arch else {}),
+        **({"scale-bucket": scale_bucket} if scale_bucket else {}),
         "partition": "stratified", "seed": seed, "downlink": downlink,
         "attack": attack, "num-attackers": attackers, **COLUMNS[column],
     }  # fmt: skip
@@ -119,6 +121,7 @@ def run_inline(
     rounds: int,
     downlink: str = "reternarize",
     arch: str = "",
+    scale_bucket: str = "",
     seed: int = 0,
 ) -> dict[str, Any]:
     """One cell on the inline engine (no Ray): the results dict of the ServerApp loop."""
@@ -128,7 +131,8 @@ def run_inline(
 
     torch.set_num_threads(1)
     logging.disable(logging.WARNING)  # per-round logs of 10 clients x many cells: the JSON has them
-    return run_simulate_inline(run_config(attack, attackers, column, rounds, downlink, arch, seed))
+    keys = run_config(attack, attackers, column, rounds, downlink, arch, scale_bucket, seed)
+    return run_simulate_inline(keys)
 
 
 def run_cell(
@@ -140,6 +144,7 @@ def run_cell(
     extra: list[str] | None,
     downlink: str = "reternarize",
     arch: str = "",
+    scale_bucket: str = "",
     seed: int = 0,
 ) -> dict[str, Any]:
     """Run (or read back) one cell's simulation (``extra`` None: in-process, else the
@@ -148,7 +153,9 @@ def run_cell(
     if extra is None:
         if not path.exists():
             start = time.perf_counter()
-            data = run_inline(attack, attackers, column, rounds, downlink, arch, seed)
+            data = run_inline(
+                attack, attackers, column, rounds, downlink, arch, scale_bucket, seed
+            )
             data["runtime_s"] = time.perf_counter() - start
             path.write_text(json.dumps(data, indent=1, allow_nan=False))
             print(f"{path.name}: {data['final_accuracy']:.4f} in {data['runtime_s']:.0f} s")
@@ -163,7 +170,9 @@ def run_cell(
         command = [
             sys.executable, "-m", "fedddl", "simulate", "--strategy", "terngrad", "--quiet",
             "--out", str(path), *simulate_flags(run_config(attack, attackers, column, rounds,
-                                                           downlink, arch, seed)), *extra,
+                                                           downlink, arch, scale_bucket,
+                                                           seed)),
+            *extra,
         ]  # fmt: skip
         start = time.perf_counter()
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
@@ -321,6 +330,9 @@ def main() -> int:
     )
     parser.add_argument("--seed", type=int, default=0, help="the runs' seed (use its own --out)")
     parser.add_argument(
+        "--scale-bucket", default="", help="the run's scale-bucket ('': the default, 'auto')"
+    )
+    parser.add_argument(
         "--path",
         choices=("terngrad", "dropin", "gossip"),
         default="terngrad",
@@ -359,7 +371,7 @@ def main() -> int:
         extra = ["--cpus-per-client", args.cpus_per_client] if args.ray else None
         results[(attack, attackers, column)] = run_cell(
             attack, attackers, column, args.rounds, out, extra, args.downlink, args.arch,
-            args.seed,
+            args.scale_bucket, args.seed,
         )
     print(tables(results, args.rounds, args.arch))
     return 0

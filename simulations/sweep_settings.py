@@ -20,7 +20,7 @@ on a schedule shortened to 150 rounds with the lr steps where the 400-round one 
 
     python -m simulations.sweep_settings --base "dataset='fashion-mnist' arch='resnet8' \
         num-server-rounds=150 lr-milestones='75,112' eval-every=25 eval-samples=2000" \
-        --setting "terngrad: strategy='terngrad'" \
+        --setting "terngrad: strategy='terngrad' scale-bucket=0" \
         --setting "gradient-average: strategy='gradient-average'" \
         --setting "terngrad bucket 512: strategy='terngrad' scale-bucket=512" \
         --setting "terngrad per-channel: strategy='terngrad' scale-bucket=-1" --seeds 0
@@ -28,7 +28,9 @@ on a schedule shortened to 150 rounds with the lr steps where the 400-round one 
 It prints one line per run as it ends, then a table: per setting and evaluated round the
 mean accuracy over seeds with its range, the mean bytes up and down per round, the mean
 run time, and each setting's final accuracy minus the first setting's (mean and per seed).
-``--json PATH`` also writes every run's rounds.
+``--json PATH`` also writes every run's rounds; ``--tables A.json B.json ...`` runs nothing
+and prints the table of the runs saved in those files, merged (settings in the order they
+first appear, or as ``--labels`` lists them).
 """
 
 from __future__ import annotations
@@ -109,6 +111,20 @@ def _table(runs: list[dict[str, Any]], labels: list[str]) -> list[str]:
     return lines
 
 
+def _print_saved(paths: list[str], labels_text: str) -> int:
+    """Print the table of the runs saved in ``paths`` (``--json`` files), merged."""
+    runs = [run for path in paths for run in json.loads(Path(path).read_text())["runs"]]
+    found = list(dict.fromkeys(r["label"] for r in runs))
+    labels = [s.strip() for s in labels_text.split(",") if s.strip()] or found
+    missing = sorted(set(labels) - set(found))
+    if missing:
+        raise SystemExit(f"no runs labelled {', '.join(missing)} in {', '.join(paths)}")
+    seeds = sorted({r["seed"] for r in runs if r["label"] in labels})
+    print(f"{len(paths)} file(s); seeds {seeds}")
+    print("\n".join(_table([r for r in runs if r["label"] in labels], labels)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", default="",
@@ -119,7 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-clients", type=int, default=10, help="clients (default: 10)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (default: 2)")
     parser.add_argument("--json", default="", help="also write every run's results here")
+    parser.add_argument("--tables", nargs="+", default=[], metavar="JSON",
+                        help="run nothing: print the table of the runs saved by --json")
+    parser.add_argument("--labels", default="",
+                        help="with --tables: comma-separated settings, in this order")
     args = parser.parse_args(argv)
+    if args.tables:
+        return _print_saved(args.tables, args.labels)
     if not args.setting:
         parser.error("give at least one --setting")
     try:

@@ -16,6 +16,7 @@ given. Checkpoint and resume in full, with the high-water mark that refuses a ro
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -30,7 +31,10 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 
 from fedddl.app_config import AppConfig
+from fedddl.compression import takes_scale_bucket
 from fedddl.downlink_choice import resolve_downlink
+from fedddl.scale_bucket_choice import resolve_scale_bucket
+from fedddl.sync.server import ReplicaServer
 from strategies.replica_strategy import ReplicaStrategy
 
 __all__ = [
@@ -141,6 +145,7 @@ def run_server(
     config["num-clients"] = len(list(grid.get_node_ids()))
     config["strategy-class"] = f"{type(strategy).__module__}.{type(strategy).__qualname__}"
     config["resolved-downlink"] = cfg.resolved_downlink
+    config["resolved-scale-bucket"] = _scale_bucket_used(strategy, cfg)
     result: dict[str, Any] = {
         "config": config,
         "initial": recorder.initial,
@@ -161,6 +166,15 @@ def run_server(
         path.write_text(json.dumps(result, indent=1, allow_nan=False))
         log(INFO, "fedddl results written to %s", path)
     return result
+
+
+def _scale_bucket_used(strategy: Strategy, cfg: AppConfig) -> int:
+    """The scale buckets of the strategy's replica server (resolved for the compressor it
+    names), else the run config's for its ``compressor``."""
+    server = getattr(strategy, "server", None)
+    if isinstance(server, ReplicaServer):
+        return int(server.scale_bucket)
+    return cfg.resolved_scale_bucket
 
 
 def _fingerprint(replica: ReplicaStrategy) -> str:
@@ -226,11 +240,11 @@ def _resume(
             f"cannot resume {type(strategy).__name__} from {path}: only TernGrad-family "
             "strategies (a ReplicaStrategy) are checkpointed"
         )
-    saved = dataclasses.replace(ckpt, config=_downlink_resolved(ckpt.config))
+    saved = dataclasses.replace(ckpt, config=_choices_resolved(ckpt.config))
     saved.check_config(
-        _downlink_resolved(cfg.to_run_config()),
+        _choices_resolved(cfg.to_run_config()),
         RESUME_CHECK_KEYS,
-        _downlink_resolved(AppConfig().to_run_config()),
+        _choices_resolved(AppConfig().to_run_config()),
     )
     replica.restore(ckpt)
     log(INFO, "fedddl: resumed from %s (round %d, version %d)", path, ckpt.round, ckpt.version)
@@ -238,9 +252,10 @@ def _resume(
     return resumed, ckpt.run_id or new_run_id()
 
 
-def _downlink_resolved(config: Mapping[str, Any]) -> dict[str, Any]:
-    """``config`` with ``downlink`` as the run resolves it (``"auto"`` and the value it
-    stands for compare equal on resume)."""
+def _choices_resolved(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with ``downlink`` and ``scale-bucket`` as the run resolves them (``"auto"``
+    and the value it stands for compare equal on resume; a checkpoint older than the
+    ``scale-bucket`` key ran with one scale per tensor)."""
     out = dict(config)
     fraction = out.get("fraction-train", AppConfig.fraction_train)
     if isinstance(out.get("downlink"), str) and isinstance(fraction, (int, float)):
@@ -249,6 +264,17 @@ def _downlink_resolved(config: Mapping[str, Any]) -> dict[str, Any]:
             strategy=str(out.get("strategy", AppConfig.strategy)),
             fraction_train=float(fraction),
         )
+    out.setdefault("scale-bucket", 0)
+    compressor = out.get("compressor", AppConfig.compressor)
+    downlink = out.get("downlink", AppConfig.downlink)
+    if isinstance(compressor, str) and isinstance(downlink, str):
+        with contextlib.suppress(ValueError):  # a bad or unknown value compares as saved
+            out["scale-bucket"] = resolve_scale_bucket(
+                out["scale-bucket"],
+                downlink=downlink,
+                compressor=compressor,
+                compressor_takes_buckets=takes_scale_bucket(compressor),
+            )
     return out
 
 

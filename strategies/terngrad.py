@@ -113,7 +113,7 @@ class TernGrad(Strategy):
             fp32_min_numel=cfg.fp32_min_numel,
             fp32_logits=cfg.fp32_logits,
             fp32_warmup_rounds=cfg.fp32_warmup_rounds,
-            scale_bucket=cfg.scale_bucket,
+            scale_bucket=cfg.scale_bucket,  # "auto": resolved for compressor_name()
         )
 
     # ------------------------------------------------------------ override points

@@ -53,3 +53,15 @@ def test_the_statistics_rows_come_with_a_batchnorm_model() -> None:
     add_arguments(parser)
     assert parser.parse_args(table.simulate_flags(keys)).arch == "resnet8"
     assert "arch" not in table.run_config("", 0, "mean", 3)
+
+
+def test_a_table_can_run_with_other_scale_buckets() -> None:
+    table = attack_table
+    assert "scale-bucket" not in table.run_config("", 0, "mean", 3)  # the default: auto
+    keys = table.run_config("scale:1e6", 1, "mean", 3, scale_bucket="0")
+    cfg = AppConfig.from_run_config({k: v for k, v in keys.items() if k != "num-clients"})
+    assert (cfg.scale_bucket, cfg.resolved_scale_bucket) == (0, 0)
+    assert AppConfig().resolved_scale_bucket == -1
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(table.simulate_flags(keys)).scale_bucket == 0

@@ -283,7 +283,7 @@ def _run(rounds: int, **settings: Any) -> dict[str, Any]:
 def test_a_terngrad_run_with_buckets_learns_and_clips_a_huge_scale() -> None:
     # the scale bound alone (the norm clip, on by default, also clips honest replies)
     clean = _run(6, scale_bucket=16, norm_clip=0.0)
-    plain = _run(6, norm_clip=0.0)
+    plain = _run(6, scale_bucket=0, norm_clip=0.0)
     for r, p in zip(clean["rounds"], plain["rounds"], strict=True):
         assert not r["dropped"] and not r["clipped"] and r["replicas_equal"]
         assert r["bytes_up"] > p["bytes_up"]  # the bucket scales

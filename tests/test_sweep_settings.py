@@ -42,3 +42,27 @@ def test_a_tiny_sweep_prints_the_table_and_writes_every_run(
     assert runs[1]["bytes_up"] < runs[0]["bytes_up"]  # ternary against fp32
     with pytest.raises(SystemExit):
         sweep.main(["--setting", "a: strategy='terngrad'", "--setting", "a: strategy='fedavg'"])
+
+
+def test_saved_runs_print_as_one_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def run(label: str, seed: int, accuracy: float) -> dict[str, object]:
+        curve = [[1, accuracy - 0.1], [2, accuracy]]
+        return {"label": label, "seed": seed, "curve": curve, "final_accuracy": accuracy,
+                "bytes_up": 10.0, "bytes_down": 20.0, "seconds": 1.0}  # fmt: skip
+
+    (tmp_path / "a.json").write_text(json.dumps({"base": {}, "runs": [run("ga", 0, 0.9)]}))
+    (tmp_path / "b.json").write_text(
+        json.dumps({"base": {}, "runs": [run("tg", 0, 0.8), run("ga", 1, 0.7)]})
+    )
+    files = [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+    assert sweep_settings.main(["--tables", *files]) == 0
+    text = capsys.readouterr().out
+    assert "seeds [0, 1]" in text
+    assert "r2 0.8000 [0.7000, 0.9000]" in text  # ga over both files
+    assert "final - ga: -0.1000" in text  # tg against ga, seed 0
+    assert sweep_settings.main(["--tables", *files, "--labels", "tg,ga"]) == 0
+    assert "final - tg: +0.1000" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no runs labelled x"):
+        sweep_settings.main(["--tables", *files, "--labels", "x"])

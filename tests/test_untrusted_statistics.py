@@ -116,7 +116,8 @@ def test_a_dense_tensor_is_bounded_by_its_peak_and_non_finite_dense_values_are_r
         grads = {k: 0.01 * torch.randn_like(p) for k, p in model.named_parameters()}
         if n == 5:
             grads["2.weight"] = grads["2.weight"] * 1e6  # the fp32 logits, 1e6 x
-        payload = encode_update(grads, TernaryCompressor(seed=0), dense=("2.weight", "2.bias"))
+        compressor = TernaryCompressor(seed=0, scale_bucket=server.scale_bucket)
+        payload = encode_update(grads, compressor, dense=("2.weight", "2.bias"))
         replies.append(ClientReply(n, 0, reply.fingerprint, payload, 32, 1.0, None,
                                    reply.statistics))  # fmt: skip
     report = server.aggregate(1, replies)

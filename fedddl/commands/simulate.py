@@ -7,8 +7,19 @@ import argparse
 import json
 import sys
 
+from fedddl.scale_bucket_choice import AUTO as AUTO_BUCKET
+from fedddl.scale_bucket_choice import parse_scale_bucket
+
 NAME = "simulate"
 HELP = "run a Flower simulation (TernGrad, GradientAverage or FedAvg) and write results JSON"
+
+
+def _scale_bucket(text: str) -> int | str:
+    """``--scale-bucket``'s value (:func:`fedddl.scale_bucket_choice.parse_scale_bucket`)."""
+    try:
+        return parse_scale_bucket(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,9 +132,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--scale-bucket",
-        type=int,
-        default=0,
-        help="ternary scales: 0 per tensor, N per N values, -1 per output channel (default: 0)",
+        type=_scale_bucket,
+        default=AUTO_BUCKET,
+        help="ternary scales: 0 per tensor, N per N values, -1 per output channel; auto: "
+        "-1 where the downlink and compressor allow it, else 0 (default: auto)",
     )
     parser.add_argument(
         "--eval-every",

@@ -29,6 +29,7 @@ from fedddl.compression.algorithms.registry import (
     is_ternary,
     make_compressor,
     register_compressor,
+    takes_scale_bucket,
 )
 from fedddl.compression.algorithms.sharing import local_scales, max_scales
 from fedddl.compression.algorithms.ternary import TernaryCompressor, TernaryEntropyCompressor
@@ -95,6 +96,7 @@ __all__ = [
     "pack_codes",
     "read_header",
     "register_compressor",
+    "takes_scale_bucket",
     "unpack_codes",
     "warm_up",
 ]

@@ -22,12 +22,14 @@ import torch
 from torch import nn
 
 from fedddl.checkpoint import ServerCheckpoint
-from fedddl.compression import is_ternary
+from fedddl.compression import is_ternary, takes_scale_bucket
 from fedddl.compression import make_compressor as build_compressor
 from fedddl.compression.codecs.downlink import TAG_BUNDLE, add_statistics
 from fedddl.defenses import Defenses
 from fedddl.lr_decay import NO_DECAY, StepDecay
 from fedddl.replica import Replica, UpdateLog
+from fedddl.scale_bucket_choice import AUTO as AUTO_BUCKET
+from fedddl.scale_bucket_choice import resolve_scale_bucket
 from fedddl.sync.admission import ReplyAdmission, drop
 from fedddl.sync.aggregation import Aggregate, Contribution
 from fedddl.sync.broadcast import Broadcast
@@ -94,7 +96,7 @@ class ReplicaServer:
         grid_log_size: int = DEFAULT_GRID_LOG_SIZE,
         defenses: Defenses | None = None,
         hooks: ServerHooks | None = None,
-        scale_bucket: int = 0,
+        scale_bucket: int | str = AUTO_BUCKET,
     ) -> None:
         if downlink not in DOWNLINKS:
             hint = " (resolve 'auto': AppConfig.resolved_downlink)" if downlink == "auto" else ""
@@ -105,21 +107,24 @@ class ReplicaServer:
             raise ValueError(f"min_replies must be >= 1, got {min_replies}")
         if fp32_warmup_rounds < 0:
             raise ValueError(f"fp32_warmup_rounds must be >= 0, got {fp32_warmup_rounds}")
-        if scale_bucket and downlink == "shared-scale-sum":
-            raise ValueError(
-                "the shared-scale-sum downlink needs one scale per tensor (scale-bucket 0)"
-            )
         self.hooks: ServerHooks = self if hooks is None else hooks
         self.compressor = compressor
+        name = self.hooks.compressor_name()
+        scale_bucket = resolve_scale_bucket(  # "auto", or refused where it cannot be sent
+            scale_bucket,
+            downlink=downlink,
+            compressor=name,
+            compressor_takes_buckets=takes_scale_bucket(name),
+        )
         self.clip_sigma = clip_sigma
         self.downlink = downlink
         self.seed = seed
         self.min_replies = min_replies
         self.fp32_warmup_rounds = fp32_warmup_rounds
         self.round_offset = 0
-        self.scale_bucket = scale_bucket
+        self.scale_bucket: int = scale_bucket
         build_compressor(  # validates
-            self.hooks.compressor_name(), seed=0, clip_sigma=clip_sigma, scale_bucket=scale_bucket
+            name, seed=0, clip_sigma=clip_sigma, scale_bucket=scale_bucket
         )
         self.defenses = defenses if defenses is not None else Defenses()
         self.scale_bound = self._new_scale_bound()

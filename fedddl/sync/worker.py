@@ -209,7 +209,7 @@ def run_instruction(
         state.compressor,
         seed=derive_seed(cfg.seed, partition_id, instruction.server_round, 5),
         clip_sigma=cfg.clip_sigma,
-        scale_bucket=cfg.scale_bucket,
+        scale_bucket=cfg.scale_bucket_for(state.compressor),
     )
     dense = exempt_parameters(replica.model, min_numel=cfg.fp32_min_numel, logits=cfg.fp32_logits)
     memory = state.memory if cfg.error_feedback else None

@@ -16,6 +16,7 @@ __all__ = [
     "is_ternary",
     "make_compressor",
     "register_compressor",
+    "takes_scale_bucket",
 ]
 
 CompressorFactory = Callable[..., Compressor]
@@ -23,6 +24,8 @@ CompressorFactory = Callable[..., Compressor]
 _REGISTRY: dict[str, CompressorFactory] = {}
 #: Whether each registered name builds a ternary compressor, read from its first build.
 _TERNARY: dict[str, bool] = {}
+#: Whether each registered name builds with ``scale_bucket`` set, read from one build.
+_TAKES_BUCKET: dict[str, bool] = {}
 
 
 def register_compressor(name: str, factory: CompressorFactory, *, overwrite: bool = False) -> None:
@@ -41,6 +44,7 @@ def register_compressor(name: str, factory: CompressorFactory, *, overwrite: boo
         raise ValueError(f"compressor {name!r} is already registered")
     _REGISTRY[name] = factory
     _TERNARY.pop(name, None)
+    _TAKES_BUCKET.pop(name, None)
 
 
 def get_compressor(name: str, **kwargs: Any) -> Compressor:
@@ -109,6 +113,29 @@ def is_ternary(name: str) -> bool:
         If ``name`` is not registered.
     """
     return make_compressor(name, seed=0, clip_sigma=2.5).ternary
+
+
+def takes_scale_bucket(name: str) -> bool:
+    """Whether the compressor registered as ``name`` builds with a non-zero ``scale_bucket``
+    (:func:`make_compressor`): a ternary compressor whose factory accepts it, or one without
+    the ``ternary`` capability (which ignores it).
+
+    Raises
+    ------
+    ValueError
+        If ``name`` is not registered.
+    """
+    takes = _TAKES_BUCKET.get(name)
+    if takes is None:
+        if name not in _REGISTRY:
+            make_compressor(name, seed=0, clip_sigma=2.5)  # raises, naming the known ones
+        try:
+            make_compressor(name, seed=0, clip_sigma=2.5, scale_bucket=-1)
+            takes = True
+        except ValueError:
+            takes = False
+        _TAKES_BUCKET[name] = takes
+    return takes
 
 
 def available_compressors() -> list[str]:
