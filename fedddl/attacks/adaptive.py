@@ -16,6 +16,7 @@ import zlib
 import numpy as np
 import torch
 
+from fedddl.attacks.recode import Recode
 from fedddl.compression import decode_update, encode_update, read_header
 from fedddl.compression.backends.buckets import bucket_scales
 
@@ -41,8 +42,6 @@ def adaptive_payload(payload: bytes, factor: float, share: float) -> bytes:
     share : float
         The share, in ``[0, 1]``, of non-zero values (all tensors together) that are negated.
     """
-    from fedddl.attacks.tamper import Recode
-
     if not 0 <= share <= 1:
         raise ValueError(f"share must be in [0, 1], got {share}")
     entries = read_header(payload)

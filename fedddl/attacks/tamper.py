@@ -12,32 +12,21 @@ import dataclasses
 import math
 import struct
 import zlib
-from collections.abc import Mapping
 from functools import lru_cache
 
 import numpy as np
 import torch
 
+from fedddl.attacks.recode import Recode
 from fedddl.attacks.spec import Attack
-from fedddl.compression import (
-    Compressor,
-    Context,
-    DensePayload,
-    Payload,
-    TernaryPayload,
-    decode_update,
-    encode_update,
-    pack_codes,
-    read_header,
-)
+from fedddl.compression import decode_update, encode_update, read_header
 from fedddl.compression.backends.buckets import bucket_scales
-from fedddl.compression.backends.packing import CODE_MINUS, CODE_PLUS, CODE_ZERO
+from fedddl.compression.backends.packing import CODE_PLUS
 from fedddl.compression.codecs.wire import FORMAT_VERSION, MAGIC
 from fedddl.sync.messages import ClientReply
 
 __all__ = [
     "MANY_TENSORS",
-    "Recode",
     "forged_statistics",
     "many_tensors_payload",
     "rewrite_payload",
@@ -202,36 +191,3 @@ def many_tensors_payload() -> bytes:
     prefix = _WIRE_PREFIX.pack(MAGIC, FORMAT_VERSION, 0, MANY_TENSORS, total)
     body = prefix + entries + data
     return body + struct.pack("<I", zlib.crc32(body))
-
-
-class Recode(Compressor):
-    """Encodes given codes (the signs of the input) at given scales; dense without a scale.
-
-    Parameters
-    ----------
-    codecs : Mapping[str, tuple[str, int, torch.Tensor | None]]
-        The codec, bucket size and bucket scales (0 and None: one scale) of each ternary
-        tensor, consumed in encoding order.
-    """
-
-    name = "attack-recode"
-
-    def __init__(self, codecs: Mapping[str, tuple[str, int, torch.Tensor | None]]) -> None:
-        self._codecs = iter(list(codecs.values()))
-
-    def compress(
-        self, tensor: torch.Tensor, *, scale: float | None = None
-    ) -> tuple[Payload, Context]:
-        ctx = Context(tuple(tensor.shape), tensor.dtype)
-        if scale is None:
-            return DensePayload(tensor.detach().contiguous().clone()), ctx
-        flat = tensor.detach().reshape(-1)
-        codes = torch.full(flat.shape, CODE_ZERO, dtype=torch.uint8)
-        codes[flat > 0] = CODE_PLUS
-        codes[flat < 0] = CODE_MINUS
-        codec, bucket, per_bucket = next(self._codecs)
-        packed = pack_codes(codes, codec)
-        return TernaryPayload(packed, scale, flat.numel(), codec, bucket, per_bucket), ctx
-
-    def decompress(self, payload: Payload, ctx: Context) -> torch.Tensor:
-        raise NotImplementedError("the attack encoder never decompresses")
