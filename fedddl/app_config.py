@@ -192,6 +192,10 @@ class AppConfig:
         of the server shadow's running statistics (means; variances to within its square
         as a factor), from the second round on; 0 disables it
         (:mod:`fedddl.sync.statistics_shadow`).
+    norm_clip : float
+        Per tensor, a reply whose L2 norm is above this multiple of the lower median of the
+        round's norms of that tensor is scaled down to it (after the direction check);
+        0 disables it (:mod:`fedddl.sync.norm_clip`).
     resync_interval : int
         Resyncs (snapshots, multi-update catch-ups) a node causes are served at most once
         every this many rounds, twice as long each time while it keeps failing; 0 or 1: no
@@ -252,6 +256,7 @@ class AppConfig:
     resync_interval: int = _DEFENSES.resync_interval
     direction_check: float = _DEFENSES.direction_check
     statistics_bound: float = _DEFENSES.statistics_bound
+    norm_clip: float = _DEFENSES.norm_clip
     attack: str = ""
     num_attackers: int = 0
 
@@ -473,6 +478,7 @@ class AppConfig:
             resync_interval=self.resync_interval,
             direction_check=self.direction_check,
             statistics_bound=self.statistics_bound,
+            norm_clip=self.norm_clip,
         )
 
     def replace(self, **changes: Any) -> AppConfig:

@@ -24,6 +24,10 @@ combined, encoded or applied is skipped and logged; sums cannot overflow
   replies' majority vote less than this fraction of the round's median agreement is
   dropped, and so is a reply with more than twice the round's median count of non-zero
   values (:mod:`fedddl.sync.direction`; 0: both off);
+* ``norm_clip`` (``norm-clip``): per tensor, a reply whose norm is above that multiple of
+  the lower median of the round's norms (after the direction check) is scaled down to it
+  (:mod:`fedddl.sync.norm_clip`; 0: off; not with the ``shared-scale-sum`` downlink,
+  whose values are all at the server's shared scales);
 * ``resync_interval`` (``resync-interval``): resyncs a node causes are served at most once
   every that many rounds (:mod:`fedddl.sync.resync_limit`).
 """
@@ -54,6 +58,7 @@ class Defenses:
     resync_interval: int = 30
     direction_check: float = 0.1
     statistics_bound: float = 4.0
+    norm_clip: float = 1.5
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the bad setting."""
@@ -80,5 +85,7 @@ class Defenses:
             raise ValueError(
                 f"statistics-bound must be 0 (off) or >= 1, got {self.statistics_bound}"
             )
+        if not (self.norm_clip == 0 or 1 <= self.norm_clip < math.inf):
+            raise ValueError(f"norm-clip must be 0 (off) or >= 1, got {self.norm_clip}")
         if self.resync_interval < 0:
             raise ValueError(f"resync-interval must be >= 0, got {self.resync_interval}")

@@ -43,13 +43,15 @@ from typing import Any
 
 # Each column's run-config keys (``fedddl simulate --KEY VALUE`` for the Ray runs).
 COLUMNS: dict[str, dict[str, Any]] = {
-    "plain mean": {"scale-bound": 0.0, "resync-interval": 0, "direction-check": 0.0},
+    "plain mean": {
+        "scale-bound": 0.0, "resync-interval": 0, "direction-check": 0.0, "norm-clip": 0.0,
+    },
     "mean": {},
     "median": {"aggregator": "median"},
     "trimmed-mean": {"aggregator": "trimmed-mean"},
     "sign-vote": {"aggregator": "sign-vote"},
 }
-POISONING = ["scale:1e6", "scale:1e30", "sign-flip", "all-plus", "near-bound:7.9"]
+POISONING = ["scale:1e6", "scale:1e30", "sign-flip", "all-plus", "near-bound:7.9", "adaptive:7.9"]
 # Forged BatchNorm statistics: rows only for a model with BatchNorm (``--arch resnet8``).
 STATISTICS = ["bn-statistics:2", "bn-statistics:7.9"]
 REFUSED = ["nan-metrics", "inf-metrics", "huge-examples", "many-tensors"]
@@ -88,6 +90,7 @@ def run_config(
     downlink: str = "reternarize",
     arch: str = "",
     scale_bucket: str = "",
+    seed: int = 0,
 ) -> dict[str, Any]:
     """One cell's run-config keys (and ``num-clients``), as ``fedddl simulate`` takes them
     (``arch`` and ``scale_bucket`` only when given)."""
@@ -95,7 +98,7 @@ def run_config(
         "num-clients": CLIENTS, "num-server-rounds": rounds, "dataset": "digits",
         **({"arch": arch} if arch else {}),
         **({"scale-bucket": scale_bucket} if scale_bucket else {}),
-        "partition": "stratified", "seed": 0, "downlink": downlink,
+        "partition": "stratified", "seed": seed, "downlink": downlink,
         "attack": attack, "num-attackers": attackers, **COLUMNS[column],
     }  # fmt: skip
 
@@ -119,6 +122,7 @@ def run_inline(
     downlink: str = "reternarize",
     arch: str = "",
     scale_bucket: str = "",
+    seed: int = 0,
 ) -> dict[str, Any]:
     """One cell on the inline engine (no Ray): the results dict of the ServerApp loop."""
     import torch
@@ -127,7 +131,7 @@ def run_inline(
 
     torch.set_num_threads(1)
     logging.disable(logging.WARNING)  # per-round logs of 10 clients x many cells: the JSON has them
-    keys = run_config(attack, attackers, column, rounds, downlink, arch, scale_bucket)
+    keys = run_config(attack, attackers, column, rounds, downlink, arch, scale_bucket, seed)
     return run_simulate_inline(keys)
 
 
@@ -141,6 +145,7 @@ def run_cell(
     downlink: str = "reternarize",
     arch: str = "",
     scale_bucket: str = "",
+    seed: int = 0,
 ) -> dict[str, Any]:
     """Run (or read back) one cell's simulation (``extra`` None: in-process, else the
     extra ``fedddl simulate`` arguments of a Ray run)."""
@@ -148,7 +153,9 @@ def run_cell(
     if extra is None:
         if not path.exists():
             start = time.perf_counter()
-            data = run_inline(attack, attackers, column, rounds, downlink, arch, scale_bucket)
+            data = run_inline(
+                attack, attackers, column, rounds, downlink, arch, scale_bucket, seed
+            )
             data["runtime_s"] = time.perf_counter() - start
             path.write_text(json.dumps(data, indent=1, allow_nan=False))
             print(f"{path.name}: {data['final_accuracy']:.4f} in {data['runtime_s']:.0f} s")
@@ -163,7 +170,8 @@ def run_cell(
         command = [
             sys.executable, "-m", "fedddl", "simulate", "--strategy", "terngrad", "--quiet",
             "--out", str(path), *simulate_flags(run_config(attack, attackers, column, rounds,
-                                                           downlink, arch, scale_bucket)),
+                                                           downlink, arch, scale_bucket,
+                                                           seed)),
             *extra,
         ]  # fmt: skip
         start = time.perf_counter()
@@ -318,6 +326,10 @@ def main() -> int:
     )
     parser.add_argument("--columns", default="", help="comma-separated columns to run ('': all)")
     parser.add_argument(
+        "--attackers", default="", help="comma-separated attacker counts to run ('': 1 and 3)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the runs' seed (use its own --out)")
+    parser.add_argument(
         "--scale-bucket", default="", help="the run's scale-bucket ('': the default, 'auto')"
     )
     parser.add_argument(
@@ -351,13 +363,15 @@ def main() -> int:
             continue
         if args.columns and column not in args.columns.split(","):
             continue
+        if args.attackers and attackers and str(attackers) not in args.attackers.split(","):
+            continue
         path = out / _name(attack, attackers, column)
         if args.tables_only and not path.exists():
             continue
         extra = ["--cpus-per-client", args.cpus_per_client] if args.ray else None
         results[(attack, attackers, column)] = run_cell(
             attack, attackers, column, args.rounds, out, extra, args.downlink, args.arch,
-            args.scale_bucket,
+            args.scale_bucket, args.seed,
         )
     print(tables(results, args.rounds, args.arch))
     return 0

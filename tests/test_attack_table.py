@@ -37,7 +37,7 @@ def test_plain_mean_turns_the_defences_off() -> None:
         {k: v for k, v in table.run_config("", 0, "plain mean", 3).items() if k != "num-clients"}
     )
     assert cfg.scale_bound == 0.0 and cfg.resync_interval == 0 and cfg.aggregator == "mean"
-    assert cfg.direction_check == 0.0
+    assert cfg.direction_check == 0.0 and cfg.norm_clip == 0.0
 
 
 def test_the_statistics_rows_come_with_a_batchnorm_model() -> None:

@@ -32,9 +32,10 @@ def _run(attack: str = "", **settings: Any) -> dict[str, Any]:
 
 
 def test_a_scale_just_under_the_bound_is_clipped_to_the_cap_every_round() -> None:
-    # the cap alone: with the direction check (default) the attacker is dropped anyway
-    capped = _run("near-bound:7.9", direction_check=0.0)
-    uncapped = _run("near-bound:7.9", scale_weight=0.0, direction_check=0.0)
+    # the cap alone: with the direction check (default) the attacker is dropped anyway, and
+    # the norm clip (default) clips honest replies too
+    capped = _run("near-bound:7.9", direction_check=0.0, norm_clip=0.0)
+    uncapped = _run("near-bound:7.9", scale_weight=0.0, direction_check=0.0, norm_clip=0.0)
     bad = {str(1000 + p) for p in attacker_partitions(NODES, 1, 0)}
     for r in capped["rounds"]:
         assert set(r["clipped"]) >= bad and "the cap" in r["clipped"][min(bad)]

@@ -3,7 +3,9 @@
 * :mod:`fedddl.attacks.spec`: which attack (``KIND[:ARG]``) and which partitions attack
   (deterministic from the seed); imports nothing heavy.
 * :mod:`fedddl.attacks.tamper`: how an attacker turns its honest reply into a malicious,
-  well-formed one (Flower-free, on :class:`~fedddl.sync.messages.ClientReply`).
+  well-formed one (Flower-free, on :class:`~fedddl.sync.messages.ClientReply`);
+  :mod:`fedddl.attacks.adaptive`: the adaptive attacker's payload (``adaptive:F``);
+  :mod:`fedddl.attacks.recode`: the encoder both re-encode forged values with.
 
 The malicious ClientApp handler is :mod:`clients.malicious`.
 """

@@ -18,6 +18,11 @@ kind                the attacker's reply
 ``bn-statistics:F`` its honest gradient; for a model with BatchNorm, every layer's statistics
                     forged: each channel's mean set to ``F ×`` the layer's largest honest
                     ``|mean|``, variance 0
+``adaptive:F``      its honest gradient with its largest non-zero values (a quarter of
+                    them) negated, few enough that its agreement with the others' signs
+                    stays above the direction check's threshold, every scale (dense
+                    value) ``× F`` (:mod:`fedddl.attacks.adaptive`); reported local scales
+                    and statistics honest
 ``all-plus``        every code +1 at its honest scales
 ``nan-metrics``     its honest gradient, ``loss = NaN``
 ``inf-metrics``     its honest gradient, ``loss = +Inf``
@@ -44,6 +49,7 @@ ATTACK_KINDS: tuple[str, ...] = (
     "sign-flip",
     "near-bound",
     "bn-statistics",
+    "adaptive",
     "all-plus",
     "nan-metrics",
     "inf-metrics",
@@ -52,7 +58,7 @@ ATTACK_KINDS: tuple[str, ...] = (
     "fingerprint-lie",
     "many-tensors",
 )
-_WITH_ARG = {"scale", "near-bound", "bn-statistics"}
+_WITH_ARG = {"scale", "near-bound", "bn-statistics", "adaptive"}
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,8 @@ class Attack:
     kind : str
         One of :data:`ATTACK_KINDS`.
     arg : float | None
-        The argument (the factor of ``scale``, ``near-bound``, ``bn-statistics``), else None.
+        The argument (the factor of ``scale``, ``near-bound``, ``bn-statistics``,
+        ``adaptive``), else None.
     """
 
     kind: str

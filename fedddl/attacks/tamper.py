@@ -12,26 +12,16 @@ import dataclasses
 import math
 import struct
 import zlib
-from collections.abc import Mapping
 from functools import lru_cache
 
 import numpy as np
 import torch
 
+from fedddl.attacks.recode import Recode
 from fedddl.attacks.spec import Attack
-from fedddl.compression import (
-    Compressor,
-    Context,
-    DensePayload,
-    Payload,
-    TernaryPayload,
-    decode_update,
-    encode_update,
-    pack_codes,
-    read_header,
-)
+from fedddl.compression import decode_update, encode_update, read_header
 from fedddl.compression.backends.buckets import bucket_scales
-from fedddl.compression.backends.packing import CODE_MINUS, CODE_PLUS, CODE_ZERO
+from fedddl.compression.backends.packing import CODE_PLUS
 from fedddl.compression.codecs.wire import FORMAT_VERSION, MAGIC
 from fedddl.sync.messages import ClientReply
 
@@ -77,6 +67,12 @@ def tamper_reply(reply: ClientReply, attack: Attack) -> ClientReply:
         )
     if attack.kind == "many-tensors":
         return dataclasses.replace(reply, payload=many_tensors_payload())
+    if attack.kind == "adaptive":
+        from fedddl.attacks.adaptive import ADAPTIVE_SHARE, adaptive_payload
+
+        assert attack.arg is not None
+        forged = adaptive_payload(reply.payload, attack.arg, ADAPTIVE_SHARE)
+        return dataclasses.replace(reply, payload=forged)
     if attack.kind in _PAYLOAD_KINDS:
         scales = reply.scales
         if attack.kind == "scale" and scales is not None:  # the reported local scales too
@@ -132,7 +128,7 @@ def rewrite_payload(payload: bytes, attack: Attack) -> bytes:
             scale = float(per_bucket.max()) if per_bucket.numel() else 0.0
         scales[entry.name] = float(np.float32(scale))
         codecs[entry.name] = (entry.codec, entry.bucket, per_bucket)
-    return encode_update(values, _Recode(codecs), scales=scales)
+    return encode_update(values, Recode(codecs), scales=scales)
 
 
 def _scaled_statistics(statistics: bytes, factor: float) -> bytes:
@@ -195,36 +191,3 @@ def many_tensors_payload() -> bytes:
     prefix = _WIRE_PREFIX.pack(MAGIC, FORMAT_VERSION, 0, MANY_TENSORS, total)
     body = prefix + entries + data
     return body + struct.pack("<I", zlib.crc32(body))
-
-
-class _Recode(Compressor):
-    """Encodes given codes (the signs of the input) at given scales; dense without a scale.
-
-    Parameters
-    ----------
-    codecs : Mapping[str, tuple[str, int, torch.Tensor | None]]
-        The codec, bucket size and bucket scales (0 and None: one scale) of each ternary
-        tensor, consumed in encoding order.
-    """
-
-    name = "attack-recode"
-
-    def __init__(self, codecs: Mapping[str, tuple[str, int, torch.Tensor | None]]) -> None:
-        self._codecs = iter(list(codecs.values()))
-
-    def compress(
-        self, tensor: torch.Tensor, *, scale: float | None = None
-    ) -> tuple[Payload, Context]:
-        ctx = Context(tuple(tensor.shape), tensor.dtype)
-        if scale is None:
-            return DensePayload(tensor.detach().contiguous().clone()), ctx
-        flat = tensor.detach().reshape(-1)
-        codes = torch.full(flat.shape, CODE_ZERO, dtype=torch.uint8)
-        codes[flat > 0] = CODE_PLUS
-        codes[flat < 0] = CODE_MINUS
-        codec, bucket, per_bucket = next(self._codecs)
-        packed = pack_codes(codes, codec)
-        return TernaryPayload(packed, scale, flat.numel(), codec, bucket, per_bucket), ctx
-
-    def decompress(self, payload: Payload, ctx: Context) -> torch.Tensor:
-        raise NotImplementedError("the attack encoder never decompresses")

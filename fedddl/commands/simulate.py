@@ -225,6 +225,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "shadow's running statistics (0: off)",
     )
     parser.add_argument(
+        "--norm-clip",
+        type=float,
+        default=1.5,
+        help="per tensor, scale a reply whose norm is above this multiple of the round's "
+        "median norm down to it (0: off)",
+    )
+    parser.add_argument(
         "--resync-interval",
         type=int,
         default=30,
@@ -307,6 +314,7 @@ def run(args: argparse.Namespace) -> int:
             resync_interval=args.resync_interval,
             direction_check=args.direction_check,
             statistics_bound=args.statistics_bound,
+            norm_clip=args.norm_clip,
             attack=args.attack,
             num_attackers=args.num_attackers,
         )

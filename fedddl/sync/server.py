@@ -44,6 +44,7 @@ from fedddl.sync.grid_shadow import GridShadow
 from fedddl.sync.hooks import ServerHooks
 from fedddl.sync.messages import ClientReply, ParseFailure, TrainInstruction
 from fedddl.sync.nodes import NodeBook
+from fedddl.sync.norm_clip import NormClip
 from fedddl.sync.reply_checks import RoundRules, check_versions
 from fedddl.sync.report import RoundReport
 from fedddl.sync.scale_bound import ScaleBound
@@ -128,6 +129,10 @@ class ReplicaServer:
         self.defenses = defenses if defenses is not None else Defenses()
         self.scale_bound = self._new_scale_bound()
         self.direction = DirectionCheck(self.defenses.direction_check)
+        # shared-scale-sum: every admitted value is at the server's shared scale already (and
+        # the density check bounds the count); a scaled reply would break the exact code sums
+        exact_sums = downlink == "shared-scale-sum"
+        self.norm_clip = NormClip(0.0 if exact_sums else self.defenses.norm_clip)
         self.replica: ShadowReplica | GridShadow
         if downlink == "grid":
             self.replica = GridShadow(
@@ -235,7 +240,9 @@ class ReplicaServer:
         failure = ""
         try:
             decoded = self.admission.decoded(admitted, self.replica.buffers(), report)
-            aggregate = self.hooks.aggregate_gradients(self.direction.filter(decoded))
+            directed = self.direction.filter(decoded)
+            clipped = self.norm_clip.filter(directed, copied=self.direction.enabled)
+            aggregate = self.hooks.aggregate_gradients(clipped)
         except Exception as err:  # e.g. a robust aggregator's bug on hostile input
             aggregate = Aggregate({})
             failure = f"aggregation failed: {type(err).__name__}: {err}"
@@ -243,6 +250,10 @@ class ReplicaServer:
             if verdict.reason:
                 level = self.direction.log_level(verdict.node_id)
                 drop(report, verdict.node_id, OpposedDirection(verdict.reason), level)
+        for node, why in self.norm_clip.clipped.items():
+            old = report.clipped.get(node)
+            report.clipped[node] = why if old is None else f"{old}; {why}"
+            logger.log(self.norm_clip.log_level(node), "clipping reply: %s", why)
         contributors = aggregate.contributors
         report.accepted = sorted(r.node_id for r in contributors)
         if contributors:
