@@ -64,6 +64,7 @@ class Cluster:
             fp32_min_numel=self.cfg.fp32_min_numel,
             fp32_logits=self.cfg.fp32_logits,
             fp32_warmup_rounds=self.cfg.fp32_warmup_rounds,
+            scale_bucket=self.cfg.scale_bucket,
         )
         self.states = {n: WorkerState() for n in NODES}
         self.round = 0
