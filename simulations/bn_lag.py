@@ -9,10 +9,6 @@ training images (a seeded draw, 64 a batch) in training mode with a cumulative a
 prints one ``BN-LAG`` line; ``--lag-out FILE`` writes them as JSON (per evaluation: ``acc``,
 ``loss`` with the replica's statistics, ``recal_acc``, ``recal_loss`` with recomputed ones).
 
-``--bn-momentum M`` builds every BatchNorm layer with momentum ``M`` instead of torch's 0.1
-(server and inline clients alike, so replicas stay bit-identical): how far each round's
-pooled statistics move the running ones.
-
     python -m simulations.bn_lag --lag-out lag.json -- simulate --engine inline \\
         --dataset fashion-mnist --arch resnet8 --num-clients 100 --fraction-train 0.1 \\
         --rounds 60 --eval-every 10 --eval-samples 2000 --seed 0
@@ -24,11 +20,10 @@ import argparse
 import copy
 import json
 import sys
-from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+from torch.nn.modules.batchnorm import _BatchNorm
 
 _BATCH = 64
 
@@ -59,22 +54,11 @@ def _calibration_images(dataset: str, count: int, seed: int) -> torch.Tensor:
     return images[index[:count]].float()
 
 
-def _set_bn_momentum(momentum: float) -> None:
-    init = _NormBase.__init__
-
-    def patched(self: _NormBase, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        self.momentum = momentum
-
-    _NormBase.__init__ = patched  # type: ignore[method-assign]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--dataset", default="fashion-mnist", help="calibration images' dataset")
     parser.add_argument("--calibration", type=int, default=2048, help="training images")
     parser.add_argument("--calibration-seed", type=int, default=123)
-    parser.add_argument("--bn-momentum", type=float, default=None)
     parser.add_argument("--lag-out", default="", help="JSON file of the BN-LAG lines")
     parser.add_argument("fedddl_args", nargs=argparse.REMAINDER, help="-- simulate ...")
     args = parser.parse_args(argv)
@@ -84,8 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     import fedddl.training as training
 
-    if args.bn_momentum is not None:
-        _set_bn_momentum(args.bn_momentum)
     plain = training.evaluate
     calibration: list[torch.Tensor] = []
     records: list[dict[str, float]] = []
