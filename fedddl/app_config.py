@@ -81,6 +81,11 @@ class AppConfig:
     lr_milestones, lr_gamma : str, float
         Step decay of the learning rate: ``"200,300"`` multiplies it by ``lr_gamma`` after
         round 200 and again after round 300 (:mod:`fedddl.lr_decay`); empty: constant.
+    bn_momentum : float
+        Momentum of every BatchNorm layer of the model, in (0, 1]: how far each round's pooled
+        statistics move the running ones (:mod:`fedddl.running_stats`); 0 keeps the model's
+        own (torch's 0.1 in the built-in models). It changes the running statistics (what
+        evaluation uses), never the weights.
     batch_size : int
         Minibatch size of each client per local step.
     local_steps : int
@@ -221,6 +226,7 @@ class AppConfig:
     momentum: float = 0.9
     lr_milestones: str = ""
     lr_gamma: float = 0.1
+    bn_momentum: float = 0.0
     batch_size: int = 32
     local_steps: int = 1
     fraction_train: float = 1.0
@@ -282,6 +288,10 @@ class AppConfig:
         self.lr_decay()  # validates lr-milestones and lr-gamma
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        if not 0 <= self.bn_momentum <= 1:
+            raise ValueError(
+                f"bn-momentum must be 0 (the model's own) or in (0, 1], got {self.bn_momentum}"
+            )
         if self.batch_size < 1:
             raise ValueError(f"batch-size must be >= 1, got {self.batch_size}")
         if self.local_steps < 1:
@@ -446,12 +456,17 @@ class AppConfig:
     def model_factory(self, device: torch.device | str | None = None) -> Callable[[], nn.Module]:
         """The seeded model constructor of this run, the same in the server and every client.
 
-        See :func:`fedddl.models.seeded_model_factory`; with ``device`` the models are
-        placed there.
+        See :func:`fedddl.models.seeded_model_factory`; every BatchNorm layer gets momentum
+        ``bn_momentum`` (unless 0); with ``device`` the models are placed there.
         """
-        from fedddl.models import seeded_model_factory
+        from fedddl.models import seeded_model_factory, with_bn_momentum
 
-        build = seeded_model_factory(self.dataset, seed=self.seed, arch=self.model or self.arch)
+        seeded = seeded_model_factory(self.dataset, seed=self.seed, arch=self.model or self.arch)
+        momentum = self.bn_momentum
+
+        def build() -> nn.Module:
+            return with_bn_momentum(seeded(), momentum)
+
         if device is None:
             return build
         return lambda: build().to(device)

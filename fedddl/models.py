@@ -14,6 +14,7 @@ from functools import lru_cache
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from fedddl.data.registry import dataset_info
 
@@ -26,6 +27,7 @@ __all__ = [
     "create_model",
     "load_model_factory",
     "seeded_model_factory",
+    "with_bn_momentum",
 ]
 
 ARCHITECTURES: tuple[str, ...] = ("mlp", "cnn", "resnet8", "resnet20", "resnet18")
@@ -223,3 +225,13 @@ def seeded_model_factory(dataset: str, *, seed: int, arch: str = "") -> Callable
         return copy.deepcopy(_seeded_model(dataset, seed, arch))
 
     return build
+
+
+def with_bn_momentum(model: nn.Module, momentum: float) -> nn.Module:
+    """``model`` with every BatchNorm layer's ``momentum`` set to ``momentum`` (0: unchanged),
+    returned for chaining."""
+    if momentum:
+        for module in model.modules():
+            if isinstance(module, _BatchNorm):
+                module.momentum = momentum
+    return model

@@ -168,3 +168,56 @@ def test_terngrad_trains_a_batchnorm_cnn_whose_eval_mode_is_right() -> None:
     assert int(bn.num_batches_tracked) == rounds
     assert not torch.allclose(bn.running_mean, torch.zeros_like(bn.running_mean))
     assert not torch.allclose(bn.running_var, torch.ones_like(bn.running_var))
+
+
+def _trained(cfg: AppConfig, rounds: int) -> tuple[ReplicaServer, list[WorkerState]]:
+    """``rounds`` TernGrad rounds of ResNet-8 on 2 digits clients, then one more plan that
+    brings both workers to the last version."""
+    x, y = as_tensors(load_dataset("digits", split="train"))
+    shards = stratified_shards(y.numpy(), 2, seed=0)
+    server = ReplicaServer(
+        cfg.model_factory(), learning_rate=cfg.learning_rate, momentum=cfg.momentum,
+        compressor=cfg.compressor, fp32_logits=cfg.fp32_logits,
+    )
+    states = [WorkerState() for _ in shards]
+    for r in range(1, rounds + 2):
+        plan = server.plan_round(r, range(len(shards)))
+        replies = [
+            run_instruction(states[i], plan[i], node_id=i, partition_id=i,
+                            shard=lambda i=i: (x[shards[i]], y[shards[i]]),  # type: ignore[misc]
+                            model_fn=cfg.model_factory(), cfg=cfg)
+            for i in range(len(shards))
+        ]
+        if r <= rounds:
+            server.aggregate(r, replies)
+    return server, states
+
+
+def test_bn_momentum_moves_the_running_statistics_and_never_the_weights() -> None:
+    default, _ = _trained(AppConfig(arch="resnet8"), 4)
+    faster, states = _trained(AppConfig(arch="resnet8", bn_momentum=0.5), 4)
+    assert all(len(rep.accepted) == 2 for rep in default.reports + faster.reports)
+    initial = AppConfig(arch="resnet8").model_factory()()
+    assert not torch.equal(initial.conv.weight, faster.shadow.model.conv.weight)
+    layers = [m for m in faster.shadow.model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert layers and all(m.momentum == 0.5 for m in layers)
+    assert all(
+        m.momentum == 0.1 for m in default.shadow.model.modules() if isinstance(m, nn.BatchNorm2d)
+    )
+    for (name, p), q in zip(
+        default.shadow.model.named_parameters(), faster.shadow.model.parameters(), strict=True
+    ):
+        assert torch.equal(p, q), name
+    ran, fast = default.shadow.model.get_submodule("bn"), faster.shadow.model.get_submodule("bn")
+    assert int(ran.num_batches_tracked) == int(fast.num_batches_tracked) == 4
+    assert not torch.allclose(ran.running_var, fast.running_var)
+    assert all(rep.replicas_equal for rep in faster.reports)
+    for state in states:
+        assert state.replica is not None
+        assert state.replica.fingerprint() == faster.shadow.fingerprint()
+
+
+@pytest.mark.parametrize("momentum", [-0.1, 1.5])
+def test_bn_momentum_outside_its_range_is_refused(momentum: float) -> None:
+    with pytest.raises(ValueError, match="bn-momentum"):
+        AppConfig(bn_momentum=momentum)

@@ -74,6 +74,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, in [0, 1)")
     parser.add_argument(
+        "--bn-momentum",
+        type=float,
+        default=0.0,
+        help="momentum of every BatchNorm layer, in (0, 1]: how far a round's pooled "
+        "statistics move the running ones (default: 0, the model's own: 0.1)",
+    )
+    parser.add_argument(
         "--batch-size", type=int, default=32, help="samples per minibatch per client"
     )
     parser.add_argument(
@@ -296,6 +303,7 @@ def run(args: argparse.Namespace) -> int:
             lr_milestones=args.lr_milestones,
             lr_gamma=args.lr_gamma,
             momentum=args.momentum,
+            bn_momentum=args.bn_momentum,
             batch_size=args.batch_size,
             local_steps=args.local_steps,
             fraction_train=args.fraction_train,
