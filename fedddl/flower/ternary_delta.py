@@ -134,7 +134,8 @@ class TernaryDelta(Strategy):
         Rounds at the start whose replies' ternary deltas use the cut ``warmup_threshold``
         (the fraction of the clipped scale a value must exceed to be sent, in [0, 1]; sent
         to the nodes in :data:`META`) instead of the compressor's own; a lower cut carries
-        more of each update (longer early steps) at a larger error. 0: off.
+        more of each update (longer early steps) at a larger error. 0: off (every round
+        uses the compressor's cut).
     downlink_steps : int
         ``"delta"``: ternary deltas that move the broadcast model towards each new global
         model (each one of the gap that remains): more steps, a closer broadcast model,
