@@ -87,6 +87,7 @@ class DeltaBroadcast:
         self.compressor, self.clip_sigma, self.seed = compressor, float(clip_sigma), seed
         self.scale_bucket = scale_bucket
         self.error_feedback, self.downlink = error_feedback, downlink
+        self.threshold: float | None = None  # the uplink's cut told to the nodes (None: own)
         self.grid_levels, self.grid_log_size = grid_levels, grid_log_size
         self._grid: GridDownlink | None = None
         self.version = 0
@@ -276,6 +277,7 @@ class DeltaBroadcast:
             error_feedback=self.error_feedback,
             seed=self.seed,
             scale_bucket=self.scale_bucket,
+            threshold=self.threshold,
         ).to_record()
 
 

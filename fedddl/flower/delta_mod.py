@@ -40,7 +40,12 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 
-from fedddl.compression import ResidualMemory, encode_update, make_compressor
+from fedddl.compression import (
+    ResidualMemory,
+    TernaryCompressor,
+    encode_update,
+    make_compressor,
+)
 from fedddl.flower.delta_grid_mod import forget_grid, reach_grid, rebuild_grid, save_grid
 from fedddl.flower.delta_grid_protocol import GRID, GRID_LAYOUT
 from fedddl.flower.delta_protocol import (
@@ -219,6 +224,8 @@ def _compress_reply(
             clip_sigma=broadcast.clip_sigma,
             scale_bucket=broadcast.scale_bucket,
         )
+        if broadcast.threshold is not None and isinstance(compressor, TernaryCompressor):
+            compressor.threshold = broadcast.threshold
         payload = encode_update(delta, compressor, memory)
     except (ValueError, TypeError) as err:  # e.g. NaN weights: send the reply as it is
         _say_once(ctxt, "encode", f"reply sent uncompressed: its delta cannot be encoded: {err}")

@@ -162,9 +162,13 @@ class Broadcast:
     error_feedback: bool
     seed: int
     scale_bucket: int = 0
+    #: The uplink's cut for this reply (a ternary compressor's ``threshold``); None: the
+    #: compressor's own.
+    threshold: float | None = None
 
     def to_record(self) -> ConfigRecord:
-        """As the :data:`META` ConfigRecord (``scale-bucket`` only when not 0)."""
+        """As the :data:`META` ConfigRecord (``scale-bucket`` only when not 0,
+        ``threshold`` only when set)."""
         record = ConfigRecord(
             {
                 "record": self.record,
@@ -180,6 +184,8 @@ class Broadcast:
         )
         if self.scale_bucket:
             record["scale-bucket"] = self.scale_bucket
+        if self.threshold is not None:
+            record["threshold"] = self.threshold
         return record
 
 
@@ -222,6 +228,16 @@ def _scale_bucket(meta: ConfigRecord) -> int:
     return value
 
 
+def _threshold(meta: ConfigRecord) -> float | None:
+    """The optional ``threshold`` key (absent: None, the compressor's own cut)."""
+    if "threshold" not in meta:
+        return None
+    value = float(_get(meta, "threshold", (int, float)))  # type: ignore[arg-type]
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{META}: threshold must be in [0, 1], got {value}")
+    return value
+
+
 def parse_broadcast(content: RecordDict) -> Broadcast:
     """Read and check the :data:`META` record of a server → client message.
 
@@ -242,6 +258,7 @@ def parse_broadcast(content: RecordDict) -> Broadcast:
         error_feedback=bool(_get(meta, "error-feedback", bool)),
         seed=int(_get(meta, "seed", int)),  # type: ignore[call-overload]
         scale_bucket=_scale_bucket(meta),
+        threshold=_threshold(meta),
     )
     if broadcast.scale_bucket < -1:
         raise ValueError(f"{META}: scale-bucket must be >= -1, got {broadcast.scale_bucket}")

@@ -130,6 +130,12 @@ class TernaryDelta(Strategy):
     feedback_warmup_rounds : int
         Rounds at the start whose replies are sent without the uplink's error feedback
         (no residual added or kept); from the next round on, ``error_feedback`` applies.
+    threshold_warmup_rounds, warmup_threshold : int, float
+        Rounds at the start whose replies' ternary deltas use the cut ``warmup_threshold``
+        (the fraction of the clipped scale a value must exceed to be sent, in [0, 1]; sent
+        to the nodes in :data:`META`) instead of the compressor's own; a lower cut carries
+        more of each update (longer early steps) at a larger error. 0: off (every round
+        uses the compressor's cut).
     downlink_steps : int
         ``"delta"``: ternary deltas that move the broadcast model towards each new global
         model (each one of the gap that remains): more steps, a closer broadcast model,
@@ -171,6 +177,8 @@ class TernaryDelta(Strategy):
         seed: int = 0,
         downlink_steps: int = 1,
         feedback_warmup_rounds: int = 0,
+        threshold_warmup_rounds: int = 0,
+        warmup_threshold: float = 0.35,
         scale_bucket: int = 0,
         direction_check: float = 0.1,
     ) -> None:
@@ -181,6 +189,10 @@ class TernaryDelta(Strategy):
             raise ValueError(f"update_log_size must be >= 0, got {update_log_size}")
         if feedback_warmup_rounds < 0:
             raise ValueError(f"feedback_warmup_rounds must be >= 0, got {feedback_warmup_rounds}")
+        if threshold_warmup_rounds < 0:
+            raise ValueError(f"threshold_warmup_rounds must be >= 0, got {threshold_warmup_rounds}")
+        if not 0.0 <= warmup_threshold <= 1.0:
+            raise ValueError(f"warmup_threshold must be in [0, 1], got {warmup_threshold}")
         if downlink_steps < 1:
             raise ValueError(f"downlink_steps must be >= 1, got {downlink_steps}")
         if not clip_sigma > 0:
@@ -200,6 +212,8 @@ class TernaryDelta(Strategy):
         self.clip_sigma = float(clip_sigma)
         self.error_feedback = error_feedback
         self.feedback_warmup_rounds = feedback_warmup_rounds
+        self.threshold_warmup_rounds = threshold_warmup_rounds
+        self.warmup_threshold = float(warmup_threshold)
         self.downlink = mode
         self.update_log_size = update_log_size
         self.seed = seed
@@ -302,9 +316,11 @@ class TernaryDelta(Strategy):
         return self.broadcast.model()
 
     def _feedback_for(self, server_round: int) -> None:
-        """The uplink's error feedback setting that this round's messages carry."""
+        """The uplink's error feedback setting and cut that this round's messages carry."""
         warm = server_round > self.feedback_warmup_rounds
         self.broadcast.error_feedback = self.error_feedback and warm
+        early = server_round <= self.threshold_warmup_rounds
+        self.broadcast.threshold = self.warmup_threshold if early else None
 
     def _outgoing(
         self, messages: Iterable[Message], arrays: ArrayRecord, server_round: int
