@@ -7,7 +7,8 @@ the deployment harness (:mod:`fedddl.deploy.processes`) exactly as
 docs/deployment.md describes: TLS (CA + server certificate naming the
 SuperLink's address), SuperNode authentication (keys registered with ``flwr
 supernode register``), ``--node-config 'partition-id=i num-partitions=N'``.
-Only the SuperNodes' access links are shaped; the SuperLink's is not.
+The SuperNodes' access links are shaped; the SuperLink's only when a profile says so
+(:meth:`FlowerTestbed.set_server_rates`: one link that every SuperNode's traffic shares).
 
 :meth:`FlowerTestbed.run` starts one ``flwr run`` with a run config and returns
 the results JSON the ServerApp wrote (the schema of ``fedddl simulate``) with a
@@ -225,6 +226,12 @@ class FlowerTestbed:
         for i, rate in enumerate(rates):
             self.net.set_rates(i, rate)
 
+    def set_server_rates(self, rates: LinkRates) -> None:
+        """Reshape the SuperLink's own access link, shared by every SuperNode (between runs)."""
+        if rates.per_peer_Bps:
+            raise ValueError("the SuperLink's link takes no per-peer rates")
+        self.net.set_rates(self.server, rates)
+
     def _wire_totals(self) -> dict[str, int]:
         counters = [self.net.counters(i) for i in range(self.num_supernodes)]
         return {key: sum(c[key] for c in counters) for key in counters[0]}
@@ -300,6 +307,7 @@ class FlowerTestbed:
             "supernodes": self.num_supernodes,
             "tls": self.tls,
             "client_links": [_rates_dict(r) for r in self.net.rates[: self.num_supernodes]],
+            "server_link": _rates_dict(self.net.rates[self.server]),
             "latency_emulated": False,
             "run_s": t1 - t0,
             "wire": {key: after[key] - before[key] for key in after},
