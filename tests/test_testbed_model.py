@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -241,3 +242,58 @@ def test_superlink_link_takes_no_per_peer_rates(tmp_path: Path) -> None:
     bed = FlowerTestbed([LinkRates()] * 2, tmp_path, tmp_path)
     with pytest.raises(ValueError, match="no per-peer rates"):
         bed.set_server_rates(LinkRates(per_peer_Bps={0: 1e6}))
+
+
+class _FakeBed:
+    """Stands in for FlowerTestbed in flower_matrix: records each run's config and links."""
+
+    runs: ClassVar[list[tuple[str, dict[str, object], object]]] = []
+
+    def __init__(self, *_args: object, **_kwargs: object) -> None:
+        self.server: object = None
+
+    def __enter__(self) -> _FakeBed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def set_client_rates(self, rates: object) -> None:
+        pass
+
+    def set_server_rates(self, rates: object) -> None:
+        self.server = rates
+
+    def run(self, config: dict[str, object], name: str, *, target: float) -> dict[str, object]:
+        _FakeBed.runs.append((name, dict(config), self.server))
+        rounds = int(config["num-server-rounds"])  # type: ignore[call-overload]
+        result = _result([2.0] * rounds, [0.5] * rounds, 1_000_000, 1_000_000)
+        result.update(final_accuracy=0.5, testbed={
+            "app_bytes": {"up": rounds * 1_000_000, "down": rounds * 1_000_000,
+                          "fab_per_supernode": 1000},
+            "wire": {"tx_bytes": 1, "rx_bytes": 1}, "load_avg_before": [1.0, 1.0, 1.0]})
+        return result
+
+
+def test_flower_matrix_runs_references_with_their_own_rounds_and_shapes_the_server(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fedddl.testbed import compare
+
+    monkeypatch.setattr(compare, "FlowerTestbed", _FakeBed)
+    _FakeBed.runs = []
+    rows = compare.flower_matrix(
+        supernodes=2, networks=[("shared", NetworkModel.homogeneous(3, 0.0, 1.25e6))],
+        strategies=["terngrad"], run_config={"num-server-rounds": 10}, target=0.9, repeats=1,
+        out_dir=tmp_path, app_dir=tmp_path, reference_rounds=3)
+    (ref_name, ref_config, ref_server), (name, config, server) = _FakeBed.runs
+    assert ref_name.startswith("unlimited") and ref_config["num-server-rounds"] == 3
+    assert ref_server == LinkRates()
+    assert name.startswith("shared") and config["num-server-rounds"] == 10
+    assert server == LinkRates(uplink_Bps=1.25e6, downlink_Bps=1.25e6)
+    # 1 MB up and down per round over the shared 1.25 MB/s server link, 2 s of compute.
+    assert rows[1]["predicted_median_round_s"] == pytest.approx(2.0 + 2 * WIRE_FACTOR / 1.25)
+    assert rows[1]["median_round_s"] == 2.0
+    with pytest.raises(ValueError, match="reference_rounds"):
+        compare.flower_matrix(
+            supernodes=2, networks=[], strategies=["terngrad"], run_config={}, target=0.9,
+            repeats=1, out_dir=tmp_path, app_dir=tmp_path, reference_rounds=1)

@@ -79,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flower.add_argument("--target", type=float, required=True,
                         help="accuracy target (required, no default)")
     flower.add_argument("--repeats", type=int, default=1, help="runs of each strategy per network")
+    flower.add_argument("--reference-rounds", type=int, default=None,
+                        help="rounds of the unlimited reference runs (>= 2; default: the "
+                             "run config's): they give the prediction's compute term only")
     flower.add_argument("--insecure", action="store_true", help="no TLS / SuperNode auth")
     flower.add_argument("--resume", action="store_true",
                         help="reuse results already in --out (e.g. the unlimited references)")
@@ -146,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
                 run_config=parse_run_config(args.run_config), target=args.target,
                 repeats=args.repeats, out_dir=args.out, app_dir=_REPO_ROOT,
                 tls=not args.insecure, resume=args.resume,
+                reference_rounds=args.reference_rounds,
             )
         else:
             from fedddl.testbed.compare import gossip_matrix

@@ -108,12 +108,17 @@ def flower_matrix(
     app_dir: str | os.PathLike[str],
     tls: bool = True,
     resume: bool = False,
+    reference_rounds: int | None = None,
 ) -> list[dict[str, Any]]:
     """Run every (repetition, network, strategy) on one deployment; return the summary rows.
 
     With ``resume``, a run whose results file exists in ``out_dir`` is read instead
-    of run again (e.g. the unlimited references of an earlier call).
+    of run again (e.g. the unlimited references of an earlier call). ``reference_rounds``
+    (at least 2) replaces ``num-server-rounds`` in the unlimited reference runs only: the
+    prediction takes just their round 1 and the median of their later rounds.
     """
+    if reference_rounds is not None and reference_rounds < 2:
+        raise ValueError(f"reference_rounds must be >= 2, got {reference_rounds}")
     out = Path(out_dir)
     unlimited = [LinkRates()] * supernodes
     links = [("unlimited", (unlimited, LinkRates()))] + [
@@ -136,9 +141,10 @@ def flower_matrix(
                                 FlowerTestbed(unlimited, out / "deployment", app_dir, tls=tls))
                         bed.set_client_rates(rates)
                         bed.set_server_rates(server)
-                        attempt = functools.partial(
-                            bed.run, {**run_config, "strategy": strategy}, name, target=target
-                        )
+                        config = {**run_config, "strategy": strategy}
+                        if link == "unlimited" and reference_rounds is not None:
+                            config["num-server-rounds"] = reference_rounds
+                        attempt = functools.partial(bed.run, config, name, target=target)
                         result = run_once_more_on_failure(attempt, name)
                     result["testbed"].update(network=link, target=target,
                                              time_to_target_s=time_to_target(result, target))
