@@ -297,3 +297,13 @@ def test_flower_matrix_runs_references_with_their_own_rounds_and_shapes_the_serv
         compare.flower_matrix(
             supernodes=2, networks=[], strategies=["terngrad"], run_config={}, target=0.9,
             repeats=1, out_dir=tmp_path, app_dir=tmp_path, reference_rounds=1)
+
+
+def test_running_finds_a_program_in_a_process_command_line() -> None:
+    import os
+
+    from fedddl.testbed.netns import running
+
+    assert running([os.getpid()], "python") or running([os.getpid()], "pytest")
+    assert not running([os.getpid()], "flwr-serverapp-that-is-not-here")
+    assert not running([2**22 + 12345], "python")  # no such process

@@ -45,7 +45,7 @@ from fedddl.deploy.processes import (
     tcp_accepts,
     write_flwr_config,
 )
-from fedddl.testbed.netns import LinkRates, Testbed, run_in_netns
+from fedddl.testbed.netns import LinkRates, Testbed, namespace_pids, run_in_netns, running
 
 __all__ = ["RETRANSMITTED_SEGMENT_BYTES", "SUPERLINK_PORT", "TCP_OVERHEAD", "FlowerTestbed",
            "fab_size", "time_to_target", "wire_bounds"]
@@ -293,6 +293,13 @@ class FlowerTestbed:
             raise DeploymentError(
                 f"flwr run {name} exceeded {timeout_s} s:\n{run.log_text()[-3000:]}"
             )
+        # `flwr run --stream` may return while its ServerApp still works (its log stream
+        # ended, seen with 45 MB messages on a loaded machine): wait for the ServerApp.
+        cli_s = time.monotonic() - t0
+        server_ns = self.net.namespace(self.server)
+        while (not results_path.exists() and time.monotonic() < deadline
+               and running(namespace_pids(server_ns), "flwr-serverapp")):
+            time.sleep(0.5)
         after, t1 = self._wire_totals(), time.monotonic()
         resent_after = self._retransmitted()
         fab = fab_size(self.app_dir, self.env)
@@ -310,6 +317,7 @@ class FlowerTestbed:
             "server_link": _rates_dict(self.net.rates[self.server]),
             "latency_emulated": False,
             "run_s": t1 - t0,
+            "flwr_run_s": cli_s,
             "wire": {key: after[key] - before[key] for key in after},
             "retransmitted_segments": {key: resent_after[key] - resent_before[key]
                                        for key in resent_after},
