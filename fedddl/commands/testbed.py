@@ -82,6 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flower.add_argument("--reference-rounds", type=int, default=None,
                         help="rounds of the unlimited reference runs (>= 2; default: the "
                              "run config's): they give the prediction's compute term only")
+    flower.add_argument("--heartbeat-patience", type=int, default=None,
+                        help="missed 30 s heartbeats the SuperLink and SuperNodes tolerate "
+                             "(Flower: 2); more keeps runs alive on a machine whose "
+                             "processes stall")
     flower.add_argument("--insecure", action="store_true", help="no TLS / SuperNode auth")
     flower.add_argument("--resume", action="store_true",
                         help="reuse results already in --out (e.g. the unlimited references)")
@@ -150,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
                 repeats=args.repeats, out_dir=args.out, app_dir=_REPO_ROOT,
                 tls=not args.insecure, resume=args.resume,
                 reference_rounds=args.reference_rounds,
+                heartbeat_patience=args.heartbeat_patience,
             )
         else:
             from fedddl.testbed.compare import gossip_matrix

@@ -109,6 +109,7 @@ def flower_matrix(
     tls: bool = True,
     resume: bool = False,
     reference_rounds: int | None = None,
+    heartbeat_patience: int | None = None,
 ) -> list[dict[str, Any]]:
     """Run every (repetition, network, strategy) on one deployment; return the summary rows.
 
@@ -116,6 +117,7 @@ def flower_matrix(
     of run again (e.g. the unlimited references of an earlier call). ``reference_rounds``
     (at least 2) replaces ``num-server-rounds`` in the unlimited reference runs only: the
     prediction takes just their round 1 and the median of their later rounds.
+    ``heartbeat_patience`` is passed to :class:`FlowerTestbed`.
     """
     if reference_rounds is not None and reference_rounds < 2:
         raise ValueError(f"reference_rounds must be >= 2, got {reference_rounds}")
@@ -138,7 +140,8 @@ def flower_matrix(
                     else:
                         if bed is None:
                             bed = stack.enter_context(
-                                FlowerTestbed(unlimited, out / "deployment", app_dir, tls=tls))
+                                FlowerTestbed(unlimited, out / "deployment", app_dir, tls=tls,
+                                              heartbeat_patience=heartbeat_patience))
                         bed.set_client_rates(rates)
                         bed.set_server_rates(server)
                         config = {**run_config, "strategy": strategy}

@@ -129,6 +129,10 @@ class FlowerTestbed:
         TLS + SuperNode authentication as in docs/deployment.md (default), or insecure.
     start_timeout_s : float
         Bound on each process start.
+    heartbeat_patience : int, optional
+        Missed 30 s heartbeats the SuperLink and SuperNodes tolerate before a ServerApp,
+        ClientApp or SuperNode counts as gone (Flower: 2;
+        :mod:`fedddl.flower.heartbeat_patience`).
     """
 
     def __init__(
@@ -139,6 +143,7 @@ class FlowerTestbed:
         *,
         tls: bool = True,
         start_timeout_s: float = 180.0,
+        heartbeat_patience: int | None = None,
     ) -> None:
         if not client_rates:
             raise ValueError("a Flower testbed needs at least one SuperNode")
@@ -148,6 +153,7 @@ class FlowerTestbed:
         self.app_dir = Path(app_dir)
         self.tls = tls
         self.start_timeout_s = start_timeout_s
+        self.heartbeat_patience = heartbeat_patience
         self.num_supernodes = len(client_rates)
         self.net = Testbed([*client_rates, LinkRates()], record=self.work / "namespaces.json")
         self.server = self.num_supernodes  # node index of the SuperLink's namespace
@@ -195,7 +201,7 @@ class FlowerTestbed:
         self.superlink = self.processes.add(start_superlink(
             self.logs, env=self.env, tls=tls_paths, enable_supernode_auth=self.tls,
             host="0.0.0.0", port=SUPERLINK_PORT, prefix=server_prefix, probe=probe,
-            timeout_s=self.start_timeout_s,
+            timeout_s=self.start_timeout_s, heartbeat_patience=self.heartbeat_patience,
         ))
         write_flwr_config(self.home, {_CONNECTION: self.superlink_address},
                           root_certificate=tls_paths.ca_certificate if tls_paths else None)
@@ -209,7 +215,7 @@ class FlowerTestbed:
                 auth_private_key=keys[i].private_key if keys else None,
                 node_config={"partition-id": i, "num-partitions": self.num_supernodes},
                 warm_clientapp_preload=_PRELOAD, prefix=self.net.exec_prefix(i),
-                timeout_s=self.start_timeout_s,
+                timeout_s=self.start_timeout_s, heartbeat_patience=self.heartbeat_patience,
             )))
 
     def stop(self) -> None:
@@ -313,6 +319,7 @@ class FlowerTestbed:
             "name": name,
             "supernodes": self.num_supernodes,
             "tls": self.tls,
+            "heartbeat_patience": self.heartbeat_patience,
             "client_links": [_rates_dict(r) for r in self.net.rates[: self.num_supernodes]],
             "server_link": _rates_dict(self.net.rates[self.server]),
             "latency_emulated": False,
