@@ -4,8 +4,10 @@
 message) holds a *snapshot* of the replica taken at some version and a *journal*: the
 encoded broadcast updates applied since, replayed onto the snapshot bit for bit
 (:func:`fedddl.sync.journal.replay`). A full snapshot is written again every
-:data:`JOURNAL_LIMIT` updates, after a server snapshot, or when the journal cannot be
-trusted. Records:
+:data:`JOURNAL_LIMIT` updates, after a server snapshot, when the journal cannot be
+trusted, or, with snapshot files, once the journal's bytes exceed half the snapshot's
+(fp32 updates: every update, so ``context.state`` never carries model-sized updates).
+Records:
 
 * ``"fedddl.replica"`` ArrayRecord: the packed snapshot (``"blob"``), unless it is in a file
   (:mod:`clients.snapshot_files`);
@@ -27,10 +29,11 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from torch import nn
 
@@ -51,12 +54,15 @@ from fedddl.sync.journal import replay
 from fedddl.sync.worker import WorkerState
 
 __all__ = [
+    "JOURNAL_FOLD_SHARE",
     "JOURNAL_LIMIT",
     "cached_replicas",
     "extend_chain",
+    "journal_bytes",
     "load_state",
     "save_state",
     "snapshot_chain",
+    "tensor_bytes",
 ]
 
 REPLICA_KEY = "fedddl.replica"
@@ -67,6 +73,9 @@ BLOB_KEY = "blob"
 #: Encoded updates journaled before a full snapshot is written again (also the number of
 #: versions a shared replica remembers).
 JOURNAL_LIMIT = 8
+#: With snapshot files, a journal holding more bytes than this share of a snapshot is folded
+#: into a new snapshot file.
+JOURNAL_FOLD_SHARE = 0.5
 _RUNS_KEPT = 4
 _DIGEST_BYTES = 16
 
@@ -279,6 +288,16 @@ def _layout(value: object) -> ConfigRecord | None:
         raise ValueError(f"context.state snapshot layout is malformed: {err}") from None
 
 
+def journal_bytes(journal: Sequence[tuple[int, bytes]]) -> int:
+    """Bytes of the encoded updates in a journal."""
+    return sum(len(payload) for _, payload in journal)
+
+
+def tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of the tensors' data (what a packed snapshot of them holds)."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def save_state(
     state: RecordDict,
     client: WorkerState,
@@ -315,12 +334,17 @@ def save_state(
     old_meta = record_of(state, META_KEY, ConfigRecord)
     layout = old_meta.get("layout") if old_meta is not None else None
     file_ref: dict[str, str] = {}
-    if known and len(client.journal) <= JOURNAL_LIMIT and isinstance(layout, str):
+    snapshot = replica.snapshot(copy=False)
+    # With snapshot files, a journal over JOURNAL_FOLD_SHARE of a snapshot (fp32 updates) is
+    # folded into a file at once instead of riding in context.state with every message.
+    small = (snapshot_dir is None
+             or journal_bytes(client.journal) <= JOURNAL_FOLD_SHARE * tensor_bytes(snapshot))
+    if known and len(client.journal) <= JOURNAL_LIMIT and isinstance(layout, str) and small:
         # the snapshot did not change: nor its file
         assert old_meta is not None
         file_ref = {k: v for k, v in old_meta.items() if k in FILE_KEYS and isinstance(v, str)}
     else:
-        blob, packed_layout = pack_tensors(replica.snapshot(copy=False))
+        blob, packed_layout = pack_tensors(snapshot)
         layout = _layout_text(packed_layout)
         client.saved_version, client.journal = replica.version, []
         # Folding the journal into a snapshot changes neither the replica nor its

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
@@ -257,3 +259,36 @@ def test_a_reply_reports_its_partition_and_a_bad_one_is_refused() -> None:
             parse_reply(reply)
     del reply.content[METRICS][PARTITION_ID]  # type: ignore[attr-defined]
     assert parse_reply(reply).partition_id is None  # not reported: combined after the others
+
+
+@pytest.mark.parametrize(("payload_bytes", "folded"), [(64, False), (None, True)])
+def test_a_journal_larger_than_half_a_snapshot_is_folded_into_a_file(
+        payload_bytes: int | None, folded: bool, tmp_path: Path) -> None:
+    """With snapshot files, small (ternary) updates are journaled; an update as large as half
+    the replica's snapshot (fp32) makes save_state write a snapshot file instead, so
+    context.state never carries model-sized updates."""
+    from clients.state import journal_bytes, tensor_bytes
+
+    replica = Replica(CFG.model_factory()(), 0.1, 0.9, version=0)
+    state = RecordDict()
+    worker = WorkerState(replica, "ternary")
+    save_state(state, worker, snapshot_dir=tmp_path)
+    assert worker.saved_version == 0 and len(worker.chains) == 1
+    grads = {k: torch.zeros(p.shape) for k, p in replica.model.named_parameters()}
+    replica.apply_update(grads, 1)
+    size = tensor_bytes(replica.snapshot(copy=False))  # weights and momentum now
+    payload = b"u" * (payload_bytes if payload_bytes is not None else size // 2 + 1)
+    worker.journal = [(1, payload)]
+    assert (2 * journal_bytes(worker.journal) > tensor_bytes(replica.snapshot(copy=False))) \
+        == folded
+    save_state(state, worker, snapshot_dir=tmp_path)
+    assert len(list(tmp_path.glob("*.snap"))) == (2 if folded else 1)
+    meta = state["fedddl.meta"]
+    assert isinstance(meta, ConfigRecord)
+    assert meta["version"] == 1
+    assert meta["saved-version"] == (1 if folded else 0)
+    assert len(meta["journal"]) == (0 if folded else 1)  # type: ignore[arg-type]
+    if folded:  # the snapshot alone restores version 1 (the stand-in payload is no update)
+        back = load_state(state, CFG.model_factory(), 0.1, 0.9, snapshot_dir=tmp_path)
+        assert back.replica is not None and back.replica.version == 1
+        assert back.replica.fingerprint() == replica.fingerprint()

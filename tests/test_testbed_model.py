@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
 from fedddl.commands.testbed import parse_run_config
 from fedddl.network import NetworkModel
-from fedddl.testbed.compare import client_rates
+from fedddl.testbed.compare import client_rates, flower_links
 from fedddl.testbed.flower_run import (
     ACK_OVERHEAD,
     RETRANSMITTED_SEGMENT_BYTES,
@@ -185,3 +186,124 @@ def test_a_failed_testbed_run_is_run_once_more_then_raised(
     with pytest.raises(DeploymentError, match="no"):
         run_once_more_on_failure(broken, "y")
     assert len(calls) == 2
+
+
+def test_predict_flower_charges_a_shared_server_link_all_clients_bytes() -> None:
+    """A shaped SuperLink link carries every client's bytes: a direction takes the longer of
+    the slowest client's own link and the server link with the round's total."""
+    reference = _result([5.0, 3.0, 3.0], [0.1, 0.5, 0.6], 100, 100)
+    run = _result([9.0, 9.0, 9.0], [0.1, 0.5, 0.6], 4_000_000, 2_000_000)
+    clients = [LinkRates(uplink_Bps=1e6, downlink_Bps=1e6)] * 4
+    alone = predict_flower(run, reference, clients, fab_bytes=250_000, wire_factor=1.0)
+    # Own links only: 1 MB up, 0.5 MB down per client at 1 MB/s; FAB 0.25 MB.
+    assert alone["round_s"] == pytest.approx([5.0 + 1.0 + 0.25, 3.0 + 1.5, 3.0 + 1.5])
+    server = LinkRates(uplink_Bps=1e6, downlink_Bps=2e6)
+    shared = predict_flower(run, reference, clients, fab_bytes=250_000, wire_factor=1.0,
+                            server=server)
+    # Up: 4 MB over the 2 MB/s server downlink (2 s > 1 s); down: 2 MB over its 1 MB/s
+    # uplink (2 s); round 1's FAB: 4 x 0.25 MB over the uplink (1 s).
+    assert shared["round_s"] == pytest.approx([5.0 + 2.0 + 1.0, 3.0 + 2.0 + 2.0, 3.0 + 4.0])
+    assert shared["fab_s"] == pytest.approx(1.0)
+    # A server link faster than the clients' together changes nothing.
+    fast = predict_flower(run, reference, clients, fab_bytes=250_000, wire_factor=1.0,
+                          server=LinkRates(uplink_Bps=1e7, downlink_Bps=1e7))
+    assert fast["round_s"] == pytest.approx(alone["round_s"])
+
+
+def test_flower_links_take_the_superlink_from_a_profile_with_one_node_more() -> None:
+    clients, server = flower_links(NetworkModel.homogeneous(4, 0.0, 1.25e6), 4)
+    assert len(clients) == 4 and server == LinkRates()
+    clients, server = flower_links(NetworkModel.homogeneous(5, 0.0, 1.25e7), 4)
+    assert len(clients) == 4 and all(r.uplink_Bps == 1.25e7 for r in clients)
+    assert server.uplink_Bps == server.downlink_Bps == 1.25e7
+    with pytest.raises(ValueError, match=r"takes 4 .* or 5"):
+        flower_links(NetworkModel.homogeneous(3, 0.0, 1.25e6), 4)
+
+
+def test_flower_profiles_load_with_supernodes_or_one_more(tmp_path: Path) -> None:
+    from fedddl.commands.testbed import _flower_network
+    from fedddl.network import NetworkError, load_network
+
+    path = tmp_path / "five.toml"
+    path.write_text('profile = "homogeneous"\nnum_nodes = 5\nlatency_s = 0.0\n'
+                    "bandwidth_Bps = 1250000.0\n")
+    assert _flower_network(str(path), 4, load_network).num_nodes == 5
+    with pytest.raises(NetworkError, match="5 nodes"):
+        _flower_network(str(path), 3, load_network)
+    for rate in ("10", "100"):
+        net = _flower_network(f"simulations/networks/clients4-{rate}mbit.toml", 4, load_network)
+        assert net.num_nodes == 4 and net.bandwidth_Bps[0, 1] == int(rate) * 125_000
+    shared = _flower_network("simulations/networks/clients4-server100mbit.toml", 4, load_network)
+    clients, server = flower_links(shared, 4)
+    assert len(clients) == 4 and server.uplink_Bps == server.downlink_Bps == 12.5e6
+
+
+def test_superlink_link_takes_no_per_peer_rates(tmp_path: Path) -> None:
+    bed = FlowerTestbed([LinkRates()] * 2, tmp_path, tmp_path)
+    with pytest.raises(ValueError, match="no per-peer rates"):
+        bed.set_server_rates(LinkRates(per_peer_Bps={0: 1e6}))
+
+
+class _FakeBed:
+    """Stands in for FlowerTestbed in flower_matrix: records each run's config and links."""
+
+    runs: ClassVar[list[tuple[str, dict[str, object], object]]] = []
+
+    def __init__(self, *_args: object, **_kwargs: object) -> None:
+        self.server: object = None
+
+    def __enter__(self) -> _FakeBed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def set_client_rates(self, rates: object) -> None:
+        pass
+
+    def set_server_rates(self, rates: object) -> None:
+        self.server = rates
+
+    def run(self, config: dict[str, object], name: str, *, target: float) -> dict[str, object]:
+        _FakeBed.runs.append((name, dict(config), self.server))
+        rounds = int(config["num-server-rounds"])  # type: ignore[call-overload]
+        result = _result([2.0] * rounds, [0.5] * rounds, 1_000_000, 1_000_000)
+        result.update(final_accuracy=0.5, testbed={
+            "app_bytes": {"up": rounds * 1_000_000, "down": rounds * 1_000_000,
+                          "fab_per_supernode": 1000},
+            "wire": {"tx_bytes": 1, "rx_bytes": 1}, "load_avg_before": [1.0, 1.0, 1.0]})
+        return result
+
+
+def test_flower_matrix_runs_references_with_their_own_rounds_and_shapes_the_server(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fedddl.testbed import compare
+
+    monkeypatch.setattr(compare, "FlowerTestbed", _FakeBed)
+    _FakeBed.runs = []
+    rows = compare.flower_matrix(
+        supernodes=2, networks=[("shared", NetworkModel.homogeneous(3, 0.0, 1.25e6))],
+        strategies=["terngrad"], run_config={"num-server-rounds": 10}, target=0.9, repeats=1,
+        out_dir=tmp_path, app_dir=tmp_path, reference_rounds=3)
+    (ref_name, ref_config, ref_server), (name, config, server) = _FakeBed.runs
+    assert ref_name.startswith("unlimited") and ref_config["num-server-rounds"] == 3
+    assert ref_server == LinkRates()
+    assert name.startswith("shared") and config["num-server-rounds"] == 10
+    assert server == LinkRates(uplink_Bps=1.25e6, downlink_Bps=1.25e6)
+    # 1 MB up and down per round over the shared 1.25 MB/s server link, 2 s of compute.
+    assert rows[1]["predicted_median_round_s"] == pytest.approx(2.0 + 2 * WIRE_FACTOR / 1.25)
+    assert rows[1]["median_round_s"] == 2.0
+    with pytest.raises(ValueError, match="reference_rounds"):
+        compare.flower_matrix(
+            supernodes=2, networks=[], strategies=["terngrad"], run_config={}, target=0.9,
+            repeats=1, out_dir=tmp_path, app_dir=tmp_path, reference_rounds=1)
+
+
+def test_running_finds_a_program_in_a_process_command_line() -> None:
+    import os
+
+    from fedddl.testbed.netns import running
+
+    assert running([os.getpid()], "python") or running([os.getpid()], "pytest")
+    assert not running([os.getpid()], "flwr-serverapp-that-is-not-here")
+    assert not running([2**22 + 12345], "python")  # no such process

@@ -46,6 +46,19 @@ def parse_run_config(text: str) -> dict[str, Any]:
     return {key: _value(value) for key, value in _ITEM.findall(text)}
 
 
+def _flower_network(path: str, supernodes: int, load: Any) -> Any:
+    """The profile at ``path`` with ``supernodes`` nodes, or ``supernodes + 1`` (the last one
+    the SuperLink)."""
+    from fedddl.network import NetworkError, NetworkModel
+
+    try:
+        return load(path, supernodes)
+    except NetworkError:
+        if Path(path).exists() and NetworkModel.from_file(path).num_nodes == supernodes + 1:
+            return load(path, supernodes + 1)
+        raise
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the subcommands of ``fedddl testbed``."""
     sub = parser.add_subparsers(dest="testbed_command", metavar="SUBCOMMAND", required=True)
@@ -55,8 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flower.add_argument("--supernodes", type=int, default=4,
                         help="SuperNodes, each in its own namespace")
     flower.add_argument("--network", action="append", default=[], metavar="FILE",
-                        help="profile (JSON/TOML, one node per SuperNode); repeatable, "
-                             "no default: at least one")
+                        help="profile (JSON/TOML, one node per SuperNode, and one more "
+                             "to shape the SuperLink's link too); repeatable, no default: "
+                             "at least one")
     flower.add_argument("--strategies", default="terngrad,gradient-average,fedavg",
                         help="comma list of strategies run side by side on each network")
     flower.add_argument("--run-config", default="",
@@ -65,6 +79,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flower.add_argument("--target", type=float, required=True,
                         help="accuracy target (required, no default)")
     flower.add_argument("--repeats", type=int, default=1, help="runs of each strategy per network")
+    flower.add_argument("--reference-rounds", type=int, default=None,
+                        help="rounds of the unlimited reference runs (>= 2; default: the "
+                             "run config's): they give the prediction's compute term only")
+    flower.add_argument("--heartbeat-patience", type=int, default=None,
+                        help="missed 30 s heartbeats the SuperLink and SuperNodes tolerate "
+                             "(Flower: 2); more keeps runs alive on a machine whose "
+                             "processes stall")
     flower.add_argument("--insecure", action="store_true", help="no TLS / SuperNode auth")
     flower.add_argument("--resume", action="store_true",
                         help="reuse results already in --out (e.g. the unlimited references)")
@@ -124,13 +145,16 @@ def run(args: argparse.Namespace) -> int:
         if args.testbed_command == "flower":
             from fedddl.testbed.compare import flower_matrix
 
-            networks = [(Path(p).stem, load_network(p, args.supernodes)) for p in args.network]
+            networks = [(Path(p).stem, _flower_network(p, args.supernodes, load_network))
+                        for p in args.network]
             flower_matrix(
                 supernodes=args.supernodes, networks=networks,
                 strategies=[s for s in args.strategies.split(",") if s],
                 run_config=parse_run_config(args.run_config), target=args.target,
                 repeats=args.repeats, out_dir=args.out, app_dir=_REPO_ROOT,
                 tls=not args.insecure, resume=args.resume,
+                reference_rounds=args.reference_rounds,
+                heartbeat_patience=args.heartbeat_patience,
             )
         else:
             from fedddl.testbed.compare import gossip_matrix

@@ -153,6 +153,7 @@ def start_superlink(
     timeout_s: float = 60.0,
     prefix: Sequence[str] = (),
     probe: Callable[[str, int], bool] = tcp_accepts,
+    heartbeat_patience: int | None = None,
 ) -> ManagedProcess:
     """Start ``flower-superlink`` and wait until its port accepts connections.
 
@@ -181,6 +182,9 @@ def start_superlink(
     probe : callable
         ``probe(host, port) -> bool``: readiness check (default: a TCP connect from
         here; a SuperLink in another network namespace needs one made there).
+    heartbeat_patience : int, optional
+        Missed heartbeats before a task or node counts as gone (Flower: 2), through
+        :mod:`fedddl.flower.heartbeat_patience`.
 
     Returns
     -------
@@ -197,6 +201,9 @@ def start_superlink(
     if database is not None:
         argv += ["--database", str(database)]
     argv += list(extra_args)
+    if heartbeat_patience is not None:
+        argv = [sys.executable, "-m", "fedddl.flower.heartbeat_patience",
+                "--patience", str(int(heartbeat_patience)), "--", *argv[1:]]
     process = spawn_logged("superlink", argv, Path(log_dir) / "superlink.log", env, prefix=prefix)
     process.address = f"{host}:{port}"
     try:
@@ -224,6 +231,7 @@ def start_supernode(
     wait_ready: bool = True,
     timeout_s: float = 60.0,
     prefix: Sequence[str] = (),
+    heartbeat_patience: int | None = None,
 ) -> ManagedProcess:
     """Start ``flower-supernode``; by default wait until the SuperLink admitted it.
 
@@ -265,6 +273,9 @@ def start_supernode(
     prefix : sequence of str
         Command prefix of the SuperNode and its warm ClientApp server (e.g. to run
         both in one network namespace: the ClientApps reach the SuperNode on loopback).
+    heartbeat_patience : int, optional
+        Missed heartbeats before a ClientApp counts as stopped (Flower: 2); needs the
+        fast SuperNode launcher (``poll_interval_s`` set).
     """
     runtime_port = runtime_port if runtime_port is not None else free_ports(1)[0]
     argv = ["flower-supernode", "--superlink", superlink_address,
@@ -275,9 +286,13 @@ def start_supernode(
     if node_config:
         argv += ["--node-config", format_node_config(node_config)]
     argv += list(extra_args)
+    if heartbeat_patience is not None and poll_interval_s is None:
+        raise ValueError("heartbeat_patience needs the fast SuperNode launcher (poll_interval_s)")
     if poll_interval_s is not None:
+        patience = ([] if heartbeat_patience is None
+                    else ["--heartbeat-patience", str(int(heartbeat_patience))])
         argv = [sys.executable, "-m", "fedddl.flower.fast_supernode",
-                "--poll-interval", repr(float(poll_interval_s)), "--", *argv[1:]]
+                "--poll-interval", repr(float(poll_interval_s)), *patience, "--", *argv[1:]]
     warm_server: ManagedProcess | None = None
     if warm_clientapp_preload is not None:
         warm_server, warm_env = start_warm_clientapp_server(

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
+from fedddl.flower.heartbeat_patience import patch_heartbeat_patience
 from fedddl.flower.object_pull import SUPERNODE, patch_object_pulls
 
 __all__ = ["ScaledSleepTime", "main", "patch_supernode_polling"]
@@ -99,6 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="seconds between pulls while idle (Flower: 3)")
     parser.add_argument("--reply-poll-interval", type=float, default=0.05,
                         help="seconds between checks for the ClientApp's reply (Flower: 0.5)")
+    parser.add_argument("--heartbeat-patience", type=int, default=None,
+                        help="missed 30 s heartbeats tolerated before a ClientApp counts as "
+                             "stopped (Flower: 2; fedddl.flower.heartbeat_patience)")
     parser.add_argument("supernode_args", nargs=argparse.REMAINDER,
                         help="arguments for flower-supernode (after --)")
     args = parser.parse_args(argv)
@@ -107,6 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rest = rest[1:]
     patch_supernode_polling(args.poll_interval, args.reply_poll_interval)
     patch_object_pulls(SUPERNODE)
+    if args.heartbeat_patience is not None:
+        patch_heartbeat_patience(args.heartbeat_patience)
     print(f"fedddl: SuperNode message poll {args.poll_interval} s, reply poll "
           f"{args.reply_poll_interval} s (Flower: 3 s / 0.5 s)", file=sys.stderr, flush=True)
     from flwr.supernode.cli import flower_supernode

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import json
 import os
+import statistics
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -27,7 +28,8 @@ from fedddl.testbed.gossip_run import run_gossip_testbed
 from fedddl.testbed.netns import LinkRates
 from fedddl.testbed.predict import message_overhead, predict_flower, predict_gossip, ratio
 
-__all__ = ["client_rates", "flower_matrix", "gossip_matrix", "run_once_more_on_failure"]
+__all__ = ["client_rates", "flower_links", "flower_matrix", "gossip_matrix",
+           "run_once_more_on_failure"]
 
 GossipVariant = tuple[str, str, bool]  # label, scheduler, overlap
 
@@ -44,6 +46,28 @@ def client_rates(network: NetworkModel) -> list[LinkRates]:
         )
         for i in range(n)
     ]
+
+
+def flower_links(network: NetworkModel, supernodes: int) -> tuple[list[LinkRates], LinkRates]:
+    """SuperNode and SuperLink access links of a Flower profile.
+
+    A profile of ``supernodes`` nodes shapes the SuperNodes' links only (the SuperLink's is
+    unlimited); one of ``supernodes + 1`` nodes also shapes the SuperLink's (its last node),
+    so every SuperNode's traffic shares that link (:func:`client_rates` for each node).
+
+    Raises
+    ------
+    ValueError
+        If the profile has neither ``supernodes`` nor ``supernodes + 1`` nodes.
+    """
+    rates = client_rates(network)
+    if len(rates) == supernodes:
+        return rates, LinkRates()
+    if len(rates) == supernodes + 1:
+        return rates[:-1], rates[-1]
+    raise ValueError(f"profile {network.name!r} has {len(rates)} nodes; a Flower testbed of "
+                     f"{supernodes} SuperNodes takes {supernodes} (clients) or "
+                     f"{supernodes + 1} (clients, then the SuperLink)")
 
 
 def _save(path: Path, data: Any) -> None:
@@ -84,22 +108,30 @@ def flower_matrix(
     app_dir: str | os.PathLike[str],
     tls: bool = True,
     resume: bool = False,
+    reference_rounds: int | None = None,
+    heartbeat_patience: int | None = None,
 ) -> list[dict[str, Any]]:
     """Run every (repetition, network, strategy) on one deployment; return the summary rows.
 
     With ``resume``, a run whose results file exists in ``out_dir`` is read instead
-    of run again (e.g. the unlimited references of an earlier call).
+    of run again (e.g. the unlimited references of an earlier call). ``reference_rounds``
+    (at least 2) replaces ``num-server-rounds`` in the unlimited reference runs only: the
+    prediction takes just their round 1 and the median of their later rounds.
+    ``heartbeat_patience`` is passed to :class:`FlowerTestbed`.
     """
+    if reference_rounds is not None and reference_rounds < 2:
+        raise ValueError(f"reference_rounds must be >= 2, got {reference_rounds}")
     out = Path(out_dir)
     unlimited = [LinkRates()] * supernodes
-    links = [("unlimited", unlimited)] + [(name, client_rates(net)) for name, net in networks]
+    links = [("unlimited", (unlimited, LinkRates()))] + [
+        (name, flower_links(net, supernodes)) for name, net in networks]
     latency = {name: float(net.latency_s.max()) for name, net in networks}
     rows: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         bed: FlowerTestbed | None = None  # started at the first run that is not resumed
         for rep in range(repeats):
             references: dict[str, dict[str, Any]] = {}
-            for link, rates in links:
+            for link, (rates, server) in links:
                 for strategy in strategies:
                     name = f"{link}-{strategy}-rep{rep}"
                     done = out / f"{name}.json"
@@ -108,11 +140,14 @@ def flower_matrix(
                     else:
                         if bed is None:
                             bed = stack.enter_context(
-                                FlowerTestbed(unlimited, out / "deployment", app_dir, tls=tls))
+                                FlowerTestbed(unlimited, out / "deployment", app_dir, tls=tls,
+                                              heartbeat_patience=heartbeat_patience))
                         bed.set_client_rates(rates)
-                        attempt = functools.partial(
-                            bed.run, {**run_config, "strategy": strategy}, name, target=target
-                        )
+                        bed.set_server_rates(server)
+                        config = {**run_config, "strategy": strategy}
+                        if link == "unlimited" and reference_rounds is not None:
+                            config["num-server-rounds"] = reference_rounds
+                        attempt = functools.partial(bed.run, config, name, target=target)
                         result = run_once_more_on_failure(attempt, name)
                     result["testbed"].update(network=link, target=target,
                                              time_to_target_s=time_to_target(result, target))
@@ -122,7 +157,7 @@ def flower_matrix(
                     prediction = predict_flower(
                         result, reference, rates,
                         fab_bytes=int(result["testbed"]["app_bytes"]["fab_per_supernode"]),
-                        target=target,
+                        target=target, server=server,
                     )
                     prediction["profile_latency_s_not_emulated"] = latency.get(link, 0.0)
                     result["prediction"] = prediction
@@ -147,6 +182,10 @@ def _flower_row(result: Mapping[str, Any], prediction: Mapping[str, Any], strate
         "final_accuracy": result["final_accuracy"],
         "app_MB_per_round": (app["up"] + app["down"]) / len(rounds) / 1e6,
         "wire_MB": (wire["tx_bytes"] + wire["rx_bytes"]) / 1e6,
+        "median_round_s": statistics.median(float(r["wall_s"]) for r in rounds),
+        "predicted_median_round_s": statistics.median(prediction["round_s"]),
+        "ratio_median_round": ratio(statistics.median(float(r["wall_s"]) for r in rounds),
+                                    statistics.median(prediction["round_s"])),
         "rounds_s": sum(float(r["wall_s"]) for r in rounds),
         "predicted_rounds_s": prediction["total_s"],
         "time_to_target_s": measured,
@@ -160,7 +199,10 @@ def _flower_row(result: Mapping[str, Any], prediction: Mapping[str, Any], strate
 _FLOWER_COLUMNS = [
     ("network", "link"), ("strategy", "strategy"), ("rep", "rep"),
     ("final_accuracy", "final acc"), ("app_MB_per_round", "app MB/round"),
-    ("wire_MB", "wire MB (all)"), ("time_to_target_s", "measured s to target"),
+    ("wire_MB", "wire MB (all)"), ("median_round_s", "median round s"),
+    ("predicted_median_round_s", "predicted median round s"),
+    ("ratio_median_round", "median round measured/predicted"),
+    ("time_to_target_s", "measured s to target"),
     ("predicted_time_to_target_s", "predicted s"), ("ratio", "measured/predicted"),
     ("rounds_s", "measured s, all rounds"), ("predicted_rounds_s", "predicted s, all rounds"),
     ("ratio_all_rounds", "ratio, all rounds"), ("load_avg", "load (1 min)"),

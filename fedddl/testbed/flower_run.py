@@ -7,7 +7,8 @@ the deployment harness (:mod:`fedddl.deploy.processes`) exactly as
 docs/deployment.md describes: TLS (CA + server certificate naming the
 SuperLink's address), SuperNode authentication (keys registered with ``flwr
 supernode register``), ``--node-config 'partition-id=i num-partitions=N'``.
-Only the SuperNodes' access links are shaped; the SuperLink's is not.
+The SuperNodes' access links are shaped; the SuperLink's only when a profile says so
+(:meth:`FlowerTestbed.set_server_rates`: one link that every SuperNode's traffic shares).
 
 :meth:`FlowerTestbed.run` starts one ``flwr run`` with a run config and returns
 the results JSON the ServerApp wrote (the schema of ``fedddl simulate``) with a
@@ -44,7 +45,7 @@ from fedddl.deploy.processes import (
     tcp_accepts,
     write_flwr_config,
 )
-from fedddl.testbed.netns import LinkRates, Testbed, run_in_netns
+from fedddl.testbed.netns import LinkRates, Testbed, namespace_pids, run_in_netns, running
 
 __all__ = ["RETRANSMITTED_SEGMENT_BYTES", "SUPERLINK_PORT", "TCP_OVERHEAD", "FlowerTestbed",
            "fab_size", "time_to_target", "wire_bounds"]
@@ -128,6 +129,10 @@ class FlowerTestbed:
         TLS + SuperNode authentication as in docs/deployment.md (default), or insecure.
     start_timeout_s : float
         Bound on each process start.
+    heartbeat_patience : int, optional
+        Missed 30 s heartbeats the SuperLink and SuperNodes tolerate before a ServerApp,
+        ClientApp or SuperNode counts as gone (Flower: 2;
+        :mod:`fedddl.flower.heartbeat_patience`).
     """
 
     def __init__(
@@ -138,6 +143,7 @@ class FlowerTestbed:
         *,
         tls: bool = True,
         start_timeout_s: float = 180.0,
+        heartbeat_patience: int | None = None,
     ) -> None:
         if not client_rates:
             raise ValueError("a Flower testbed needs at least one SuperNode")
@@ -147,6 +153,7 @@ class FlowerTestbed:
         self.app_dir = Path(app_dir)
         self.tls = tls
         self.start_timeout_s = start_timeout_s
+        self.heartbeat_patience = heartbeat_patience
         self.num_supernodes = len(client_rates)
         self.net = Testbed([*client_rates, LinkRates()], record=self.work / "namespaces.json")
         self.server = self.num_supernodes  # node index of the SuperLink's namespace
@@ -194,7 +201,7 @@ class FlowerTestbed:
         self.superlink = self.processes.add(start_superlink(
             self.logs, env=self.env, tls=tls_paths, enable_supernode_auth=self.tls,
             host="0.0.0.0", port=SUPERLINK_PORT, prefix=server_prefix, probe=probe,
-            timeout_s=self.start_timeout_s,
+            timeout_s=self.start_timeout_s, heartbeat_patience=self.heartbeat_patience,
         ))
         write_flwr_config(self.home, {_CONNECTION: self.superlink_address},
                           root_certificate=tls_paths.ca_certificate if tls_paths else None)
@@ -208,7 +215,7 @@ class FlowerTestbed:
                 auth_private_key=keys[i].private_key if keys else None,
                 node_config={"partition-id": i, "num-partitions": self.num_supernodes},
                 warm_clientapp_preload=_PRELOAD, prefix=self.net.exec_prefix(i),
-                timeout_s=self.start_timeout_s,
+                timeout_s=self.start_timeout_s, heartbeat_patience=self.heartbeat_patience,
             )))
 
     def stop(self) -> None:
@@ -224,6 +231,12 @@ class FlowerTestbed:
             raise ValueError(f"{len(rates)} rates for {self.num_supernodes} SuperNodes")
         for i, rate in enumerate(rates):
             self.net.set_rates(i, rate)
+
+    def set_server_rates(self, rates: LinkRates) -> None:
+        """Reshape the SuperLink's own access link, shared by every SuperNode (between runs)."""
+        if rates.per_peer_Bps:
+            raise ValueError("the SuperLink's link takes no per-peer rates")
+        self.net.set_rates(self.server, rates)
 
     def _wire_totals(self) -> dict[str, int]:
         counters = [self.net.counters(i) for i in range(self.num_supernodes)]
@@ -286,6 +299,13 @@ class FlowerTestbed:
             raise DeploymentError(
                 f"flwr run {name} exceeded {timeout_s} s:\n{run.log_text()[-3000:]}"
             )
+        # `flwr run --stream` may return while its ServerApp still works (its log stream
+        # ended, seen with 45 MB messages on a loaded machine): wait for the ServerApp.
+        cli_s = time.monotonic() - t0
+        server_ns = self.net.namespace(self.server)
+        while (not results_path.exists() and time.monotonic() < deadline
+               and running(namespace_pids(server_ns), "flwr-serverapp")):
+            time.sleep(0.5)
         after, t1 = self._wire_totals(), time.monotonic()
         resent_after = self._retransmitted()
         fab = fab_size(self.app_dir, self.env)
@@ -299,9 +319,12 @@ class FlowerTestbed:
             "name": name,
             "supernodes": self.num_supernodes,
             "tls": self.tls,
+            "heartbeat_patience": self.heartbeat_patience,
             "client_links": [_rates_dict(r) for r in self.net.rates[: self.num_supernodes]],
+            "server_link": _rates_dict(self.net.rates[self.server]),
             "latency_emulated": False,
             "run_s": t1 - t0,
+            "flwr_run_s": cli_s,
             "wire": {key: after[key] - before[key] for key in after},
             "retransmitted_segments": {key: resent_after[key] - resent_before[key]
                                        for key in resent_after},

@@ -433,15 +433,32 @@ def _existing_namespaces() -> set[str]:
     return {str(entry["name"]) for entry in json.loads(out or "[]")}
 
 
+def namespace_pids(name: str) -> list[int]:
+    """Ids of the processes inside namespace ``name`` (none if it cannot be listed)."""
+    try:
+        out = _run(["ip", "netns", "pids", name], f"list processes in {name}")
+    except TestbedError:
+        return []
+    return [int(p) for p in out.split() if p.isdigit()]
+
+
+def running(pids: Sequence[int], program: str) -> bool:
+    """Whether one of ``pids`` is still running with ``program`` in its command line."""
+    for pid in pids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(program.encode() in arg for arg in argv):
+            return True
+    return False
+
+
 def _kill_namespace_processes(name: str, timeout_s: float = 5.0) -> None:
     """SIGTERM, then SIGKILL, every process inside namespace ``name`` (bounded wait)."""
 
     def pids() -> list[int]:
-        try:
-            out = _run(["ip", "netns", "pids", name], f"list processes in {name}")
-        except TestbedError:
-            return []
-        return [int(p) for p in out.split() if p.isdigit()]
+        return namespace_pids(name)
 
     for sig in (signal.SIGTERM, signal.SIGKILL):
         found = pids()

@@ -11,11 +11,17 @@ with ``up_i`` / ``down_i`` the round's byte totals of the application's count
 split evenly over the clients, plus, in round 1, the app bundle (FAB) every
 SuperNode downloads, and ``w`` the bytes a shaped link carries per application
 byte (:data:`WIRE_FACTOR`, Ethernet + IPv4 + TCP framing; 1 gives the simulator's
-``bytes / bandwidth``). ``c(k)`` is measured on the *same testbed without limits*
-(a reference run of the same configuration): its round 1 and the median of its
-other rounds. Nothing else of the testbed run enters the prediction except its
-byte counts and its accuracy per round (training is the same with and without
-limits).
+``bytes / bandwidth``). When the SuperLink's own link is shaped too (``server``,
+uplink ``S_up``, downlink ``S_down``), every client's transfer also crosses it,
+shared, so each direction takes the longer of the two bottlenecks::
+
+    up(k) = max(max_i (L + w up_i(k) / B_up_i), L + w sum_i up_i(k) / S_down)
+
+(and the same for the downlink with ``S_up``). ``c(k)`` is measured on the *same
+testbed without limits* (a reference run of the same configuration): its round 1
+and the median of its other rounds. Nothing else of the testbed run enters the
+prediction except its byte counts and its accuracy per round (training is the
+same with and without limits).
 
 Gossip runs (:func:`predict_gossip`) run the discrete-event simulator
 (:func:`fedddl.gossip.run_gossip`) with the same network, nodes, data and
@@ -72,6 +78,7 @@ def predict_flower(
     latency_s: float = 0.0,
     target: float | None = None,
     wire_factor: float = WIRE_FACTOR,
+    server: LinkRates | None = None,
 ) -> dict[str, Any]:
     """Predicted round times and time to ``target`` of the testbed run ``result``.
 
@@ -89,6 +96,9 @@ def predict_flower(
         Accuracy target.
     wire_factor : float
         Link bytes per application byte (1.0: the simulator's model).
+    server : LinkRates, optional
+        The SuperLink's access link, shared by every client's transfers (None: not
+        shaped).
 
     Returns
     -------
@@ -101,17 +111,15 @@ def predict_flower(
     first, later = ref[0], statistics.median(ref[1:]) if len(ref) > 1 else ref[0]
     n = len(clients)
     net = star_network(clients, latency_s)
-    server = n
+    shared = _server_link(server or LinkRates(), latency_s)
     times, transfer_total, fab_s = [], 0.0, 0.0
     for index, record in enumerate(rounds):
-        up = wire_factor * int(record["bytes_up"]) / n
-        down = wire_factor * int(record["bytes_down"]) / n
-        transfer = max(net.transfer_time(i, server, round(up)) for i in range(n)) if up else 0.0
-        if down:
-            transfer += max(net.transfer_time(server, i, round(down)) for i in range(n))
+        up = wire_factor * int(record["bytes_up"])
+        down = wire_factor * int(record["bytes_down"])
+        transfer = _star_transfer(net, shared, n, up, upward=True)
+        transfer += _star_transfer(net, shared, n, down, upward=False)
         if index == 0 and fab_bytes:
-            fab_s = max(net.transfer_time(server, i, round(wire_factor * fab_bytes))
-                        for i in range(n))
+            fab_s = _star_transfer(net, shared, n, n * wire_factor * fab_bytes, upward=False)
             transfer += fab_s
         transfer_total += transfer
         times.append((first if index == 0 else later) + transfer)
@@ -132,6 +140,29 @@ def predict_flower(
         "wire_factor": wire_factor,
         "time_to_target_s": reached,
     }
+
+
+def _server_link(server: LinkRates, latency_s: float) -> NetworkModel:
+    """Two-node network: the SuperLink (node 0) and everyone beyond its access link (node 1)."""
+    big = 1e12
+    return NetworkModel([[0.0, latency_s], [latency_s, 0.0]],
+                        [[big, server.uplink_Bps or big], [server.downlink_Bps or big, big]],
+                        name="server-link")
+
+
+def _star_transfer(net: NetworkModel, shared: NetworkModel, n: int, total: float,
+                   *, upward: bool) -> float:
+    """Seconds to move ``total`` bytes split evenly over ``n`` clients to (``upward``) or from
+    the server: the slowest client's own link, or the server's link carrying all of it."""
+    if not total:
+        return 0.0
+    server = n
+    each = round(total / n)
+    if upward:
+        own = max(net.transfer_time(i, server, each) for i in range(n))
+        return max(own, shared.transfer_time(1, 0, round(total)))
+    own = max(net.transfer_time(server, i, each) for i in range(n))
+    return max(own, shared.transfer_time(0, 1, round(total)))
 
 
 def message_overhead(result: Mapping[str, Any], network: NetworkModel) -> float:
