@@ -64,6 +64,12 @@ class Contribution:
     statistics: Mapping[str, torch.Tensor] | None = None
     peaks: Mapping[str, float] | None = None
 
+    def copied(self) -> Contribution:
+        """This contribution with its gradient copied out of the shared decode buffer."""
+        gradient = {k: v.clone() for k, v in self.gradient.items()}
+        return Contribution(self.reply, gradient, scales=self.scales,
+                            statistics=self.statistics, peaks=self.peaks)
+
     def peak(self, name: str) -> float:
         """The largest magnitude of tensor ``name`` (its scale, its known peak, or measured)."""
         known = None if self.scales is None else self.scales.get(name)

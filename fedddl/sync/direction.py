@@ -132,7 +132,7 @@ class DirectionCheck:
         if not self.enabled:
             yield from contributions
             return
-        kept = [_copy(c) for c in contributions]
+        kept = [c.copied() for c in contributions]
         self.screen([(c.reply.node_id, c.gradient) for c in kept])
         for contribution, verdict in zip(kept, self.verdicts, strict=True):
             if not verdict.reason:
@@ -189,15 +189,3 @@ def judge(
             )
         verdicts.append(DirectionVerdict(node, alignment, reason))
     return verdicts
-
-
-def _copy(contribution: Contribution) -> Contribution:
-    """``contribution`` with its gradient copied out of the shared decode buffer."""
-    gradient = {k: v.clone() for k, v in contribution.gradient.items()}
-    return Contribution(
-        contribution.reply,
-        gradient,
-        scales=contribution.scales,
-        statistics=contribution.statistics,
-        peaks=contribution.peaks,
-    )

@@ -77,7 +77,7 @@ class NormClip:
         if not self.enabled:
             yield from contributions
             return
-        kept = [c if copied else _copy(c) for c in contributions]
+        kept = [c if copied else c.copied() for c in contributions]
         if len(kept) >= self.min_replies:
             norms = {name: [_norm(c.gradient[name]) for c in kept] for name in kept[0].gradient}
             limits = {name: self.factor * lower_median(found) for name, found in norms.items()}
@@ -116,14 +116,3 @@ class NormClip:
 
 def _norm(values: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(values.to(torch.float64)))
-
-
-def _copy(contribution: Contribution) -> Contribution:
-    gradient = {k: v.clone() for k, v in contribution.gradient.items()}
-    return Contribution(
-        contribution.reply,
-        gradient,
-        scales=contribution.scales,
-        statistics=contribution.statistics,
-        peaks=contribution.peaks,
-    )
