@@ -12,8 +12,9 @@ By default each cell runs in this process on the inline engine of ``fedddl simul
 messages of a simulation); ``--ray`` runs each cell as ``fedddl simulate`` on Ray in its
 own process instead (same apps, Ray actors, slower to start).
 
-Columns: ``plain mean`` is the mean without the scale bound, the direction check and the
-resync rate limit (``--scale-bound 0 --direction-check 0 --resync-interval 0``; malformed
+Columns: ``plain mean`` is the mean without the scale bound, the direction check, the norm
+clip and the resync rate limit (``--scale-bound 0 --direction-check 0 --norm-clip 0
+--resync-interval 0``; malformed
 metrics and payloads whose header does not fit the model are refused whatever the
 settings); ``mean`` is the default; then each robust aggregator with the default bound
 and direction check. Model-poisoning attacks run in every
