@@ -84,8 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "run config's): they give the prediction's compute term only")
     flower.add_argument("--heartbeat-patience", type=int, default=None,
                         help="missed 30 s heartbeats the SuperLink and SuperNodes tolerate "
-                             "(Flower: 2); more keeps runs alive on a machine whose "
-                             "processes stall")
+                             "(default: Flower's own, 2); more keeps runs alive on a machine "
+                             "whose processes stall")
     flower.add_argument("--insecure", action="store_true", help="no TLS / SuperNode auth")
     flower.add_argument("--resume", action="store_true",
                         help="reuse results already in --out (e.g. the unlimited references)")
