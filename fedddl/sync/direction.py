@@ -30,7 +30,6 @@ vote. ``fraction = 0`` disables both checks (contributions stream through untouc
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ import torch
 
 from fedddl.sync.aggregation import Contribution
 from fedddl.sync.scale_bound import lower_median
+from fedddl.sync.warn_once import WarnOnce
 
 __all__ = [
     "DENSITY_FACTOR",
@@ -118,7 +118,7 @@ class DirectionCheck:
         self.min_replies = min_replies
         self.density = float(density)
         self.verdicts: list[DirectionVerdict] = []
-        self._warned: set[int] = set()  # nodes whose drop was logged at WARNING
+        self._warn_once = WarnOnce()  # nodes already logged at WARNING
 
     @property
     def enabled(self) -> bool:
@@ -154,9 +154,7 @@ class DirectionCheck:
 
     def log_level(self, node: int) -> int:
         """The level to log ``node``'s drop at: WARNING the first time, DEBUG after."""
-        level = logging.DEBUG if node in self._warned else logging.WARNING
-        self._warned.add(node)
-        return level
+        return self._warn_once.level(node)
 
 
 def flat_signs(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:

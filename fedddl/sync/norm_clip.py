@@ -19,7 +19,6 @@ are already copies).
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterable, Iterator
 
@@ -27,6 +26,7 @@ import torch
 
 from fedddl.sync.aggregation import Contribution
 from fedddl.sync.scale_bound import lower_median
+from fedddl.sync.warn_once import WarnOnce
 
 __all__ = ["NormClip"]
 
@@ -55,7 +55,7 @@ class NormClip:
         self.factor = float(factor)
         self.min_replies = min_replies
         self.clipped: dict[int, str] = {}
-        self._warned: set[int] = set()  # nodes whose clip was logged at WARNING
+        self._warn_once = WarnOnce()  # nodes already logged at WARNING
 
     @property
     def enabled(self) -> bool:
@@ -64,9 +64,7 @@ class NormClip:
 
     def log_level(self, node: int) -> int:
         """The level to log ``node``'s clip at: WARNING the first time, DEBUG after."""
-        level = logging.DEBUG if node in self._warned else logging.WARNING
-        self._warned.add(node)
-        return level
+        return self._warn_once.level(node)
 
     def filter(
         self, contributions: Iterable[Contribution], copied: bool = False
