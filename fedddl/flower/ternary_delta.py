@@ -52,14 +52,13 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedddl.compression import make_compressor
 from fedddl.flower.delta_admission import (
     DeltaAdmission,
     Layout,
     layout_of,
     parse_delta_reply,
 )
-from fedddl.flower.delta_broadcast import DeltaBroadcast, downlink_mode
+from fedddl.flower.delta_broadcast import DeltaBroadcast
 from fedddl.flower.delta_grid_protocol import GRID
 from fedddl.flower.delta_protocol import (
     DELTA,
@@ -76,6 +75,7 @@ from fedddl.flower.delta_replies import (
     restored,
     without_ours,
 )
+from fedddl.flower.delta_settings import check_settings
 from fedddl.flower.delta_traffic import Traffic, TrafficLog, array_bytes, whole_model_reason
 from fedddl.sync.direction import DirectionCheck
 from fedddl.sync.errors import PayloadRejected
@@ -185,28 +185,15 @@ class TernaryDelta(Strategy):
         super().__init__()
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a Flower Strategy, got {type(strategy).__name__}")
-        if update_log_size < 0:
-            raise ValueError(f"update_log_size must be >= 0, got {update_log_size}")
-        if feedback_warmup_rounds < 0:
-            raise ValueError(f"feedback_warmup_rounds must be >= 0, got {feedback_warmup_rounds}")
-        if threshold_warmup_rounds < 0:
-            raise ValueError(f"threshold_warmup_rounds must be >= 0, got {threshold_warmup_rounds}")
-        if not 0.0 <= warmup_threshold <= 1.0:
-            raise ValueError(f"warmup_threshold must be in [0, 1], got {warmup_threshold}")
-        if downlink_steps < 1:
-            raise ValueError(f"downlink_steps must be >= 1, got {downlink_steps}")
-        if not clip_sigma > 0:
-            raise ValueError(f"clip_sigma must be > 0, got {clip_sigma}")
-        make_compressor(  # unknown name, bad scale_bucket: ValueError
-            compressor, seed=0, clip_sigma=clip_sigma, scale_bucket=scale_bucket
-        )
+        mode = check_settings(
+            compressor=compressor, clip_sigma=clip_sigma, downlink=downlink,
+            update_log_size=update_log_size, grid_levels=grid_levels,
+            grid_log_size=grid_log_size, resync_interval=resync_interval,
+            downlink_steps=downlink_steps, feedback_warmup_rounds=feedback_warmup_rounds,
+            threshold_warmup_rounds=threshold_warmup_rounds,
+            warmup_threshold=warmup_threshold, scale_bucket=scale_bucket,
+        )  # fmt: skip
         self.scale_bucket = scale_bucket
-        mode = downlink_mode(downlink, grid_levels, grid_log_size, resync_interval)
-        if mode != "delta" and downlink_steps != 1:
-            raise ValueError(
-                "downlink_steps applies to the delta downlink only (downlink='delta'), "
-                f"not {mode!r}"
-            )
         self.strategy = strategy
         self.compressor = compressor
         self.clip_sigma = float(clip_sigma)
