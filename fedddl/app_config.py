@@ -12,16 +12,16 @@ the key.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from fedddl.app_config_checks import check_run_sizes
 from fedddl.defenses import Defenses
 from fedddl.devices import check_device_name
 from fedddl.downlink_choice import AUTO, resolve_downlink
 from fedddl.lr_decay import StepDecay
+from fedddl.run_config_keys import coerce, kebab, unknown_key_message
 from fedddl.scale_bucket_choice import AUTO as AUTO_BUCKET
 from fedddl.scale_bucket_choice import parse_scale_bucket, resolve_scale_bucket
 
@@ -39,10 +39,6 @@ GOSSIP_KEY_PREFIX = "gossip-"
 PARTITIONS: tuple[str, ...] = ("stratified", "random", "dirichlet")
 DOWNLINKS: tuple[str, ...] = (AUTO, "reternarize", "shared-scale-sum", "grid")
 BUILTIN_STRATEGIES: tuple[str, ...] = ("terngrad", "gradient-average", "fedavg")
-
-
-def _kebab(name: str) -> str:
-    return name.replace("_", "-")
 
 
 @dataclass(frozen=True)
@@ -292,43 +288,7 @@ class AppConfig:
             raise ValueError(
                 f"bn-momentum must be 0 (the model's own) or in (0, 1], got {self.bn_momentum}"
             )
-        if self.batch_size < 1:
-            raise ValueError(f"batch-size must be >= 1, got {self.batch_size}")
-        if self.local_steps < 1:
-            raise ValueError(f"local-steps must be >= 1, got {self.local_steps}")
-        if not 0 < self.fraction_train <= 1:
-            raise ValueError(f"fraction-train must be in (0, 1], got {self.fraction_train}")
-        if not self.dirichlet_alpha > 0:
-            raise ValueError(f"dirichlet-alpha must be > 0, got {self.dirichlet_alpha}")
-        if not self.clip_sigma > 0:
-            raise ValueError(f"clip-sigma must be > 0, got {self.clip_sigma}")
-        if self.client_snapshot_dir not in ("auto", "state") and not os.path.isabs(
-            self.client_snapshot_dir
-        ):
-            raise ValueError(
-                "client-snapshot-dir must be 'auto', 'state' or an absolute directory "
-                f"(every client process resolves it), got {self.client_snapshot_dir!r}"
-            )
-        if self.update_log_size < 0:
-            raise ValueError(f"update-log-size must be >= 0, got {self.update_log_size}")
-        if not 1 <= self.grid_levels <= 127:
-            raise ValueError(f"grid-levels must be in [1, 127], got {self.grid_levels}")
-        if not 1 <= self.grid_log_size <= 2**20:
-            raise ValueError(f"grid-log-size must be in [1, 2**20], got {self.grid_log_size}")
-        if self.min_available_nodes < 1:
-            raise ValueError(f"min-available-nodes must be >= 1, got {self.min_available_nodes}")
-        if self.min_replies < 1:
-            raise ValueError(f"min-replies must be >= 1, got {self.min_replies}")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"checkpoint-every must be >= 0, got {self.checkpoint_every}")
-        if self.checkpoint_keep < 1:
-            raise ValueError(f"checkpoint-keep must be >= 1, got {self.checkpoint_keep}")
-        if self.checkpoint_every > 0 and not self.checkpoint_dir:
-            raise ValueError("checkpoint-every > 0 needs a checkpoint-dir")
-        if self.fp32_min_numel < 0:
-            raise ValueError(f"fp32-min-numel must be >= 0, got {self.fp32_min_numel}")
-        if self.fp32_warmup_rounds < 0:
-            raise ValueError(f"fp32-warmup-rounds must be >= 0, got {self.fp32_warmup_rounds}")
+        check_run_sizes(self)
         object.__setattr__(self, "scale_bucket", parse_scale_bucket(self.scale_bucket))
         self._check_scale_bucket()
         if self.eval_every < 1:
@@ -377,16 +337,16 @@ class AppConfig:
         ValueError
             On an unknown key or a value of the wrong type.
         """
-        by_key = {_kebab(f.name): f for f in fields(cls)}
+        by_key = {kebab(f.name): f for f in fields(cls)}
         kwargs: dict[str, Any] = {}
         for key, value in run_config.items():
             if key.startswith(GOSSIP_KEY_PREFIX):
                 continue  # gossip mode's keys, read by strategies.gossip_coordinator
             f = by_key.get(key)
             if f is None:
-                raise ValueError(_unknown_key_message(key, by_key))
+                raise ValueError(unknown_key_message(key, by_key))
             parse = _PARSERS.get(key)
-            kwargs[f.name] = parse(value) if parse else _coerce(key, value, f.default)
+            kwargs[f.name] = parse(value) if parse else coerce(key, value, f.default)
         return cls(**kwargs)
 
     @property
@@ -433,7 +393,7 @@ class AppConfig:
 
     def to_run_config(self) -> dict[str, Any]:
         """Return the kebab-case mapping (JSON-friendly) of every field."""
-        return {_kebab(f.name): getattr(self, f.name) for f in fields(self)}
+        return {kebab(f.name): getattr(self, f.name) for f in fields(self)}
 
     def import_plugins(self) -> None:
         """Import every module named in ``plugins``.
@@ -503,39 +463,3 @@ class AppConfig:
 
 #: Keys whose values are not of one type, with their own parser (``ValueError`` if bad).
 _PARSERS: dict[str, Callable[[Any], Any]] = {"scale-bucket": parse_scale_bucket}
-
-
-def _unknown_key_message(key: str, known: Mapping[str, Any]) -> str:
-    """``unknown config key 'x'; did you mean 'y'?`` plus the known keys."""
-    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.4)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return f"unknown config key {key!r}{hint} (known keys: {', '.join(sorted(known))})"
-
-
-def _coerce(key: str, value: Any, default: Any) -> Any:
-    """Convert ``value`` to the type of ``default``; raise ``ValueError`` naming ``key``."""
-    if isinstance(default, bool):
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-            return value.lower() in ("true", "1")
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        raise ValueError(f"config key {key!r} must be a boolean, got {value!r}")
-    if isinstance(default, int):
-        if isinstance(value, bool) or not isinstance(value, int | str):
-            raise ValueError(f"config key {key!r} must be an integer, got {value!r}")
-        try:
-            return int(value)
-        except ValueError:
-            raise ValueError(f"config key {key!r} must be an integer, got {value!r}") from None
-    if isinstance(default, float):
-        if isinstance(value, bool) or not isinstance(value, int | float | str):
-            raise ValueError(f"config key {key!r} must be a number, got {value!r}")
-        try:
-            return float(value)
-        except ValueError:
-            raise ValueError(f"config key {key!r} must be a number, got {value!r}") from None
-    if not isinstance(value, str):
-        raise ValueError(f"config key {key!r} must be a string, got {value!r}")
-    return value
