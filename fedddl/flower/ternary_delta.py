@@ -53,6 +53,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedddl.flower.delta_admission import (
+    DIRECTION_NOISE,
     DeltaAdmission,
     Layout,
     layout_of,
@@ -153,8 +154,9 @@ class TernaryDelta(Strategy):
         values, -1 one per output channel (sent to the nodes in :data:`META`).
     direction_check : float
         A compressed reply whose delta's signs agree with the other replies' majority vote
-        less than this fraction of the round's median agreement, or that has more than
-        twice the median count of non-zero values, is dropped
+        less than this fraction of the round's median agreement and more than
+        ``DIRECTION_NOISE / sqrt(nnz)`` below it (within noise it is kept), or that has more
+        than twice the median count of non-zero values, is dropped
         (:mod:`fedddl.sync.direction`, as TernGrad's ``direction-check``); 0: off.
     """
 
@@ -218,7 +220,7 @@ class TernaryDelta(Strategy):
         self.admission = DeltaAdmission(
             ScaleBound(scale_bound, scale_bound_action, scale_bound_rounds),
             resync_interval,
-            DirectionCheck(direction_check),  # out of range: ValueError
+            DirectionCheck(direction_check, noise=DIRECTION_NOISE),  # out of range: ValueError
         )
         #: The exchanges' counts, the run's totals and the plain notices.
         self.traffic_log = TrafficLog()
@@ -241,6 +243,9 @@ class TernaryDelta(Strategy):
         log(_INFO, "\t├──> TernaryDelta settings:")
         log(_INFO, "\t│\t├── Compressor: %s (clip %.2f σ)", self.compressor, self.clip_sigma)
         log(_INFO, "\t│\t├── Downlink deltas: %s", self.downlink)
+        if self.threshold_warmup_rounds:
+            log(_INFO, "\t│\t├── Uplink cut: %g in rounds 1-%d, then the compressor's",
+                self.warmup_threshold, self.threshold_warmup_rounds)
         log(_INFO, "\t│\t├── Scale bound: %g (%s)", bound.factor, bound.action)
         log(_INFO, "\t│\t└── Error feedback: %s", self.error_feedback)
         self.strategy.summary()
