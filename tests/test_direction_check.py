@@ -69,6 +69,46 @@ def test_three_coordinated_opposed_replies_of_ten_are_all_dropped() -> None:
     assert [c.reply.node_id for c in kept] == list(range(3, 10))
 
 
+def _weak_round(seed: int, n: int = 5, size: int = 20_000) -> list[torch.Tensor]:
+    """Honest ternary sign vectors that agree with a shared direction on 51 % of their
+    non-zero values (late in training: a direction within noise of none)."""
+    generator = torch.Generator().manual_seed(seed)
+    base = torch.sign(torch.rand(size, generator=generator) - 0.5)
+    replies = []
+    for _ in range(n):
+        keep = torch.rand(size, generator=generator) < 0.3
+        same = torch.rand(size, generator=generator) < 0.51
+        replies.append(torch.where(same, base, -base) * keep)
+    return replies
+
+
+def test_with_a_noise_margin_replies_within_noise_of_a_weak_median_pass() -> None:
+    def drops(noise: float) -> int:
+        check = DirectionCheck(0.1, noise=noise)
+        found = 0
+        for seed in range(40):
+            list(check.filter(iter(_contributions_flat(_weak_round(seed)))))
+            found += sum(bool(v.reason) for v in check.verdicts)
+        return found
+
+    assert drops(0.0) >= 5  # without a margin, noise alone drops honest replies
+    assert drops(3.0) == 0
+    with pytest.raises(ValueError, match="noise"):
+        DirectionCheck(0.1, noise=-1.0)
+
+
+@pytest.mark.parametrize("opposed", [1, 3])
+def test_the_noise_margin_still_drops_opposed_replies(opposed: int) -> None:
+    check = DirectionCheck(0.5, noise=3.0)
+    kept = list(check.filter(iter(_contributions(_round(opposed=opposed)))))
+    assert [c.reply.node_id for c in kept] == list(range(opposed, 10))
+
+
+def _contributions_flat(grads: list[torch.Tensor]) -> list[Contribution]:
+    return [Contribution(_reply(i), {"w": g.clone()}, scales={"w": 1.0})
+            for i, g in enumerate(grads)]  # fmt: skip
+
+
 def test_a_dense_reply_is_dropped_for_its_density_whatever_its_direction() -> None:
     generator = torch.Generator().manual_seed(1)
     grads = [g * (torch.rand(500, generator=generator) < 0.5) for g in _round()]  # ~25 % dense

@@ -38,6 +38,9 @@ from fedddl.flower.inline_grid import InlineGrid
 from fedddl.flower.records import array_to_bytes, bytes_to_array, unpack_tensors
 
 NODES = 4
+#: The labelling rule of every client's data: honest clients share a task, so their
+#: updates share a direction (which the wrapper's direction check relies on).
+_TEACHER = torch.randn(6, 3, generator=torch.Generator().manual_seed(7))
 
 
 def _net() -> nn.Module:
@@ -55,7 +58,8 @@ def _client_app(mods: list[Any]) -> ClientApp:
         node = int(context.node_config["partition-id"])
         rnd = int(msg.content["config"]["server-round"])  # type: ignore[index, arg-type]
         g = torch.Generator().manual_seed(100 * rnd + node)
-        x, y = torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g)
+        x = torch.randn(32, 6, generator=g)
+        y = (x @ _TEACHER).argmax(dim=1)  # one task shared by every client
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         loss = nn.functional.cross_entropy(net(x), y)
         loss.backward()  # type: ignore[no-untyped-call]

@@ -30,6 +30,9 @@ from fedddl.flower.records import array_to_bytes, unpack_tensors
 from fedddl.sync.grid_holder import load_state
 
 NODES = 6
+#: The labelling rule of every client's data: honest clients share a task, so their
+#: updates share a direction (which the wrapper's direction check relies on).
+_TEACHER = torch.randn(16, 3, generator=torch.Generator().manual_seed(7))
 
 
 def _net() -> nn.Module:
@@ -47,7 +50,8 @@ def _app(mods: list[Any]) -> ClientApp:
         node = int(context.node_config["partition-id"])
         rnd = int(msg.content["config"]["server-round"])  # type: ignore[index, arg-type]
         g = torch.Generator().manual_seed(100 * rnd + node)
-        x, y = torch.randn(32, 16, generator=g), torch.randint(0, 3, (32,), generator=g)
+        x = torch.randn(32, 16, generator=g)
+        y = (x @ _TEACHER).argmax(dim=1)  # one task shared by every client
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         loss = nn.functional.cross_entropy(net(x), y)
         loss.backward()  # type: ignore[no-untyped-call]

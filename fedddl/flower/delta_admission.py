@@ -41,7 +41,19 @@ from fedddl.sync.resync_limit import ResyncLimiter
 from fedddl.sync.scale_bound import ScaleBound
 from fedddl.sync.screening import PayloadSpec
 
-__all__ = ["DeltaAdmission", "Layout", "check_plain_reply", "parse_delta_reply"]
+__all__ = [
+    "DIRECTION_NOISE",
+    "DeltaAdmission",
+    "Layout",
+    "check_plain_reply",
+    "parse_delta_reply",
+]
+
+#: The drop-in's direction check keeps a reply whose alignment lies within this many
+#: ``1 / sqrt(nnz)`` (the spread of an uncorrelated reply's alignment) of the round's median
+#: (:class:`~fedddl.sync.direction.DirectionCheck`'s ``noise``): late in training honest
+#: replies' alignments come within noise of 0, where ``fraction × median`` alone drops some.
+DIRECTION_NOISE = 3.0
 
 #: name -> (dtype, shape) of a model record's Arrays, in order.
 Layout = dict[str, tuple[str, tuple[int, ...]]]

@@ -16,7 +16,11 @@ others' vote more often than they disagree, and an opposed reply's disagree.
   (0 for an all-zero reply);
 * the reply is **dropped** when ``alignment_i < fraction × m``, where ``m`` is the lower
   median of the round's alignments; nothing is dropped for its direction when ``m <= 0``
-  (no majority direction to judge by);
+  (no majority direction to judge by); with a ``noise`` margin ``z > 0``, also only when
+  ``m - alignment_i > z / sqrt(nnz(x_i))`` (``1 / sqrt(nnz)`` is the spread of the
+  alignment of a reply whose signs are independent of the vote: late in training honest
+  replies' alignments come within that spread of 0, and a reply within noise of the
+  median is not judged opposed);
 * the reply is also **dropped** when it has more than ``density ×`` the lower median
   number of non-zero values of the round's replies (honest ternary replies of one round
   have similar densities; a reply of all ±1 codes would weigh several honest ones and
@@ -103,10 +107,17 @@ class DirectionCheck:
     density : float
         A reply with more than this multiple of the round's median count of non-zero
         values is dropped (0: no density check).
+    noise : float
+        A reply is dropped for its direction only when its alignment also lies more than
+        ``noise / sqrt(nnz)`` below the median (0: no margin).
     """
 
     def __init__(
-        self, fraction: float = 0.0, min_replies: int = 3, density: float = DENSITY_FACTOR
+        self,
+        fraction: float = 0.0,
+        min_replies: int = 3,
+        density: float = DENSITY_FACTOR,
+        noise: float = 0.0,
     ) -> None:
         if not (0 <= fraction <= 1) or math.isnan(fraction):
             raise ValueError(f"direction-check must be in [0, 1], got {fraction}")
@@ -116,7 +127,10 @@ class DirectionCheck:
             raise ValueError(f"density must be 0 (off) or >= 1, got {density}")
         self.fraction = float(fraction)
         self.min_replies = min_replies
+        if not (0 <= noise < math.inf):
+            raise ValueError(f"noise must be finite and >= 0, got {noise}")
         self.density = float(density)
+        self.noise = float(noise)
         self.verdicts: list[DirectionVerdict] = []
         self._warn_once = WarnOnce()  # nodes already logged at WARNING
 
@@ -149,7 +163,7 @@ class DirectionCheck:
         else:
             signs = [flat_signs(tensors) for _, tensors in replies]
             nodes = [node for node, _ in replies]
-            self.verdicts = judge(nodes, signs, self.fraction, self.density)
+            self.verdicts = judge(nodes, signs, self.fraction, self.density, self.noise)
         return self.verdicts
 
     def log_level(self, node: int) -> int:
@@ -163,10 +177,15 @@ def flat_signs(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
 
 def judge(
-    nodes: Sequence[int], signs: Sequence[torch.Tensor], fraction: float, density: float
+    nodes: Sequence[int],
+    signs: Sequence[torch.Tensor],
+    fraction: float,
+    density: float,
+    noise: float = 0.0,
 ) -> list[DirectionVerdict]:
     """Each reply's verdict (see the module docstring): its alignment, and a reason when it
-    is dropped for its direction (``fraction``) or its non-zero count (``density``)."""
+    is dropped for its direction (``fraction``, beyond the ``noise`` margin) or its non-zero
+    count (``density``)."""
     found = alignments(list(signs))
     median = lower_median(found)
     limit = fraction * median
@@ -180,7 +199,9 @@ def judge(
                 f"node {node}: {count} non-zero values, more than {density:g} x the "
                 f"round's median {lower_median(counts)}: dropped"
             )
-        elif median > 0 and alignment < limit:
+        elif median > 0 and alignment < limit and median - alignment > noise / math.sqrt(
+            max(count, 1)
+        ):
             reason = (
                 f"node {node}: direction opposes the round's majority: alignment "
                 f"{alignment:.3f} < {fraction:g} x the median {median:.3f}: dropped"
