@@ -88,7 +88,6 @@ class DeltaBroadcast:
         self.scale_bucket = scale_bucket
         self.error_feedback, self.downlink = error_feedback, downlink
         self.threshold: float | None = None  # the uplink's cut told to the nodes (None: own)
-        self.exact_round = False  # the nodes reply with the plain model (an exact round)
         self.grid_levels, self.grid_log_size = grid_levels, grid_log_size
         self._grid: GridDownlink | None = None
         self.version = 0
@@ -279,7 +278,6 @@ class DeltaBroadcast:
             seed=self.seed,
             scale_bucket=self.scale_bucket,
             threshold=self.threshold,
-            exact=self.exact_round,
         ).to_record()
 
 

@@ -15,9 +15,7 @@ that the wrapper compressed (:mod:`fedddl.flower.delta_protocol`), the mod
    hands the app the message as the strategy built it, with the whole model;
 2. encodes the app's reply model as ``reply - broadcast model`` with the ternary
    compressor the server names and error feedback (the residual is kept in
-   ``context.state``), when the reply carries an ArrayRecord shaped like the model; in a
-   round the server marks exact (``exact`` in :data:`META`) the reply goes plain and the
-   residual is cleared.
+   ``context.state``), when the reply carries an ArrayRecord shaped like the model.
 
 A message without the wrapper's record, and a reply without such a model, pass through
 unchanged. A reply model of another float dtype than the broadcast model (float64 from a
@@ -210,12 +208,6 @@ def _compress_reply(
             _say_once(ctxt, "no-model", "reply sent uncompressed: no ArrayRecord of the "
                       f"reply has the model's arrays ({why})")  # fmt: skip
         return _compress_reply_plain(reply, broadcast.version)
-    if broadcast.exact:  # the plain model carries the whole update: nothing is left over
-        if STATE_RESIDUAL in ctxt.state:
-            del ctxt.state[STATE_RESIDUAL]
-        _say_once(ctxt, "exact", f"reply sent uncompressed: the server asked for an exact "
-                  f"round (version {broadcast.version})", logging.INFO)  # fmt: skip
-        return _compress_reply_plain(reply, broadcast.version)
     record = reply[key]
     assert isinstance(record, ArrayRecord)  # _model_record_of checked it
     delta, dtypes = _reply_delta(record, model)
@@ -331,14 +323,14 @@ def _misfit_of(record: ArrayRecord, model: SplitModel) -> str | None:
     return None
 
 
-def _say_once(ctxt: Context, reason: str, text: str, level: int = _WARNING) -> None:
+def _say_once(ctxt: Context, reason: str, text: str) -> None:
     """Log ``text`` on Flower's logger unless this node already said ``reason``."""
     said = ctxt.state.get(STATE_SAID)
     found = said.get("reasons") if isinstance(said, ConfigRecord) else None
     reasons = [str(r) for r in found] if isinstance(found, list) else []
     if reason in reasons:
         return
-    log(level, "ternary_mod (node %s): %s", ctxt.node_id, text)
+    log(_WARNING, "ternary_mod (node %s): %s", ctxt.node_id, text)
     ctxt.state[STATE_SAID] = ConfigRecord({"reasons": [*reasons, reason]})
 
 

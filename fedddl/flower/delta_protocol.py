@@ -165,12 +165,10 @@ class Broadcast:
     #: The uplink's cut for this reply (a ternary compressor's ``threshold``); None: the
     #: compressor's own.
     threshold: float | None = None
-    #: Reply with the plain model (an exact round): no delta is encoded.
-    exact: bool = False
 
     def to_record(self) -> ConfigRecord:
         """As the :data:`META` ConfigRecord (``scale-bucket`` only when not 0,
-        ``threshold`` and ``exact`` only when set)."""
+        ``threshold`` only when set)."""
         record = ConfigRecord(
             {
                 "record": self.record,
@@ -188,8 +186,6 @@ class Broadcast:
             record["scale-bucket"] = self.scale_bucket
         if self.threshold is not None:
             record["threshold"] = self.threshold
-        if self.exact:
-            record["exact"] = True
         return record
 
 
@@ -263,7 +259,6 @@ def parse_broadcast(content: RecordDict) -> Broadcast:
         seed=int(_get(meta, "seed", int)),  # type: ignore[call-overload]
         scale_bucket=_scale_bucket(meta),
         threshold=_threshold(meta),
-        exact="exact" in meta and bool(_get(meta, "exact", bool)),
     )
     if broadcast.scale_bucket < -1:
         raise ValueError(f"{META}: scale-bucket must be >= -1, got {broadcast.scale_bucket}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, Error, Message, RecordDict
+from flwr.app import ArrayRecord, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 
 from fedddl.flower.delta_protocol import DELTA, FLOAT_DTYPES, META, UPLINK_DTYPE, same_layout
@@ -15,7 +15,7 @@ from fedddl.sync.errors import ReplyError
 
 __all__ = [
     "error_reply",
-    "fault_kind", "model_key", "non_finite_array", "rebased", "restored", "without_ours",
+    "fault_kind", "model_key", "non_finite_array", "restored", "without_ours",
 ]
 
 
@@ -30,24 +30,6 @@ def restored(
         wide = torch.promote_types(tensor.dtype, UPLINK_DTYPE)
         out[name] = (tensor.to(wide) + delta[name].to(wide)).to(dtype)
     return out
-
-
-def rebased(
-    record: ArrayRecord, held: dict[str, torch.Tensor], exact: dict[str, torch.Tensor]
-) -> ArrayRecord:
-    """``record`` (a plain reply trained from the broadcast model ``held``) with each float
-    array ``a`` of ``held`` replaced by ``exact + (a - held)``, added in the wider dtype and
-    kept in ``a``'s dtype; the other arrays as they are."""
-    arrays = dict(record.items())
-    for name, base in held.items():
-        values = np.asarray(record[name].numpy())
-        if values.dtype.kind != "f":
-            continue
-        sent = torch.from_numpy(np.array(values, copy=True))
-        wide = torch.promote_types(torch.promote_types(sent.dtype, base.dtype), UPLINK_DTYPE)
-        moved = exact[name].to(wide) + (sent.to(wide) - base.to(wide))
-        arrays[name] = Array(moved.to(sent.dtype).numpy())
-    return ArrayRecord(arrays)  # type: ignore[arg-type]
 
 
 def without_ours(reply: Message, record: str | None, model: ArrayRecord | None) -> Message:

@@ -27,7 +27,6 @@ def check_settings(
     threshold_warmup_rounds: int,
     warmup_threshold: float,
     scale_bucket: int,
-    exact_rounds: int = 0,
 ) -> str:
     """Raise ``ValueError`` on the first bad setting; return the downlink mode.
 
@@ -40,8 +39,6 @@ def check_settings(
         raise ValueError(f"update_log_size must be >= 0, got {update_log_size}")
     if feedback_warmup_rounds < 0:
         raise ValueError(f"feedback_warmup_rounds must be >= 0, got {feedback_warmup_rounds}")
-    if isinstance(exact_rounds, bool) or not isinstance(exact_rounds, int) or exact_rounds < 0:
-        raise ValueError(f"exact_rounds must be an int >= 0, got {exact_rounds!r}")
     if threshold_warmup_rounds < 0:
         raise ValueError(f"threshold_warmup_rounds must be >= 0, got {threshold_warmup_rounds}")
     if not 0.0 <= warmup_threshold <= 1.0:

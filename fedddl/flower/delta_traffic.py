@@ -53,8 +53,6 @@ class Traffic:
     up_plain: int = 0
     up_bytes: int = 0
     up_saved: int = 0
-    #: Of ``up_plain``: replies sent plain because the round was exact (``exact_rounds``).
-    up_exact: int = 0
 
     def down(self, compressed: bool, whole: int, sent: int) -> None:
         """A message that carried the model: ``whole`` bytes as built, ``sent`` bytes sent."""
@@ -80,12 +78,9 @@ class Traffic:
             setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
 
     def to_metrics(self) -> dict[str, int]:
-        """The counts as metrics: ``fedddl.down.compressed``, ``fedddl.up.bytes-saved``, ...
-        (``fedddl.up.exact`` only when not 0)."""
+        """The counts as metrics: ``fedddl.down.compressed``, ``fedddl.up.bytes-saved``, ..."""
         out = {}
         for field in fields(self):
-            if field.name == "up_exact" and not self.up_exact:
-                continue
             direction, what = field.name.split("_")
             what = "bytes-saved" if what == "saved" else what
             out[f"{PREFIX}{direction}.{what}"] = int(getattr(self, field.name))
@@ -149,19 +144,15 @@ class TrafficLog:
         self.exchange.down(False, size, size)
         self.notices.note(node, reason, text)
 
-    def plain_up(
-        self, node: int, content: RecordDict, text: str, reason: str, exact: bool = False
-    ) -> None:
+    def plain_up(self, node: int, content: RecordDict, text: str, reason: str) -> None:
         """Count a reply whose arrays travelled plain (one without arrays carries no model),
-        and say why once (``exact``: the server asked for it, counted in ``up_exact`` and
-        said at INFO)."""
+        and say why once."""
         records = [r for name, r in content.array_records.items() if name != DELTA]
         if not any(len(r) for r in records):
             return
         size = array_bytes(*records)
         self.exchange.up(False, size, size)
-        self.exchange.up_exact += int(exact)
-        self.notices.note(node, reason, text, logging.INFO if exact else logging.WARNING)
+        self.notices.note(node, reason, text)
 
     def close(self, metrics: MetricRecord | None) -> MetricRecord | None:
         """End the exchange: log the notices, add it to the totals and return ``metrics``

@@ -73,7 +73,6 @@ from fedddl.flower.delta_replies import (
     fault_kind,
     model_key,
     non_finite_array,
-    rebased,
     restored,
     without_ours,
 )
@@ -138,12 +137,6 @@ class TernaryDelta(Strategy):
         to the nodes in :data:`META`) instead of the compressor's own; a lower cut carries
         more of each update (longer early steps) at a larger error. 0: off (every round
         uses the compressor's cut).
-    exact_rounds : int
-        Rounds at the start (1 to this) whose replies travel plain: the mod sends the
-        trained model uncompressed and clears its residual; the reply passes the plain
-        checks (layout, finite values; no scale bound or direction check), is moved onto
-        the exact global model like a delta, and is counted in ``fedddl.up.exact``.
-        0: off.
     downlink_steps : int
         ``"delta"``: ternary deltas that move the broadcast model towards each new global
         model (each one of the gap that remains): more steps, a closer broadcast model,
@@ -190,7 +183,6 @@ class TernaryDelta(Strategy):
         warmup_threshold: float = 0.35,
         scale_bucket: int = 0,
         direction_check: float = 0.1,
-        exact_rounds: int = 0,
     ) -> None:
         super().__init__()
         if not isinstance(strategy, Strategy):
@@ -202,7 +194,6 @@ class TernaryDelta(Strategy):
             downlink_steps=downlink_steps, feedback_warmup_rounds=feedback_warmup_rounds,
             threshold_warmup_rounds=threshold_warmup_rounds,
             warmup_threshold=warmup_threshold, scale_bucket=scale_bucket,
-            exact_rounds=exact_rounds,
         )  # fmt: skip
         self.scale_bucket = scale_bucket
         self.strategy = strategy
@@ -212,7 +203,6 @@ class TernaryDelta(Strategy):
         self.feedback_warmup_rounds = feedback_warmup_rounds
         self.threshold_warmup_rounds = threshold_warmup_rounds
         self.warmup_threshold = float(warmup_threshold)
-        self.exact_rounds = exact_rounds
         self.downlink = mode
         self.update_log_size = update_log_size
         self.seed = seed
@@ -253,8 +243,6 @@ class TernaryDelta(Strategy):
         log(_INFO, "\t├──> TernaryDelta settings:")
         log(_INFO, "\t│\t├── Compressor: %s (clip %.2f σ)", self.compressor, self.clip_sigma)
         log(_INFO, "\t│\t├── Downlink deltas: %s", self.downlink)
-        if self.exact_rounds:
-            log(_INFO, "\t│\t├── Exact (plain) replies in rounds 1-%d", self.exact_rounds)
         if self.threshold_warmup_rounds:
             log(_INFO, "\t│\t├── Uplink cut: %g in rounds 1-%d, then the compressor's",
                 self.warmup_threshold, self.threshold_warmup_rounds)
@@ -325,7 +313,6 @@ class TernaryDelta(Strategy):
         self.broadcast.error_feedback = self.error_feedback and warm
         early = server_round <= self.threshold_warmup_rounds
         self.broadcast.threshold = self.warmup_threshold if early else None
-        self.broadcast.exact_round = server_round <= self.exact_rounds
 
     def _outgoing(
         self, messages: Iterable[Message], arrays: ArrayRecord, server_round: int
@@ -420,14 +407,13 @@ class TernaryDelta(Strategy):
             )
             if meta is not None and meta.record is None:
                 assert isinstance(parsed.reply, ClientReply)
-                exact = server_round <= self.exact_rounds
-                self.traffic_log.plain_up(node, content, *_EXACT if exact else _PLAIN, exact)
+                self.traffic_log.plain_up(node, content, _PLAIN_REPLY, "plain-reply")
                 if self.admission.acknowledge(parsed.reply, report):
                     out[index] = without_ours(reply, None, None)
-                    if instruction is not None and self.admission.admit_plain(
-                        node, reply.content, instruction[1], instruction[2], report
-                    ) and exact:  # trained from the broadcast model: onto the exact one
-                        self._rebase(reply.content, instruction[1])
+                    if instruction is not None:  # its arrays: as a plain reply's
+                        self.admission.admit_plain(
+                            node, reply.content, instruction[1], instruction[2], report
+                        )
             else:
                 compressed.append(parsed.reply)
         self._restore(compressed, replies, position, out, report)
@@ -437,12 +423,6 @@ class TernaryDelta(Strategy):
         self._sent.clear()
         self._account(report, replies, sent, out)
         return [reply for reply in out if reply is not None]
-
-    def _rebase(self, content: RecordDict, key: str) -> None:
-        """Move the plain model ``content[key]`` from the broadcast model onto the exact one."""
-        record = content.get(key)
-        if isinstance(record, ArrayRecord):
-            content[key] = rebased(record, self.broadcast.floats, self.broadcast.exact)
 
     def _restore(
         self,
@@ -515,5 +495,4 @@ _NOT_MODEL = (
     "got a message whose arrays are not the global model's layout: sent as the strategy "
     "built it"
 )
-_PLAIN = ("sent its reply's arrays uncompressed (its ternary_mod logs why)", "plain-reply")
-_EXACT = ("sent its reply's arrays uncompressed as asked (exact_rounds)", "exact-round")
+_PLAIN_REPLY = "sent its reply's arrays uncompressed (its ternary_mod logs why)"
