@@ -233,9 +233,13 @@ def test_flower_profiles_load_with_supernodes_or_one_more(tmp_path: Path) -> Non
     for rate in ("10", "100"):
         net = _flower_network(f"simulations/networks/clients4-{rate}mbit.toml", 4, load_network)
         assert net.num_nodes == 4 and net.bandwidth_Bps[0, 1] == int(rate) * 125_000
-    shared = _flower_network("simulations/networks/clients4-server100mbit.toml", 4, load_network)
-    clients, server = flower_links(shared, 4)
-    assert len(clients) == 4 and server.uplink_Bps == server.downlink_Bps == 12.5e6
+    for rate in ("10", "100"):
+        shared = _flower_network(f"simulations/networks/clients4-server{rate}mbit.toml", 4,
+                                 load_network)
+        clients, server = flower_links(shared, 4)
+        assert len(clients) == 4
+        assert server.uplink_Bps == server.downlink_Bps == int(rate) * 125_000
+        assert clients[0].uplink_Bps == int(rate) * 125_000
 
 
 def test_superlink_link_takes_no_per_peer_rates(tmp_path: Path) -> None:
