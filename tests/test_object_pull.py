@@ -128,6 +128,7 @@ def test_deployment_processes_apply_the_patch(monkeypatch: pytest.MonkeyPatch) -
     from fedddl.flower.grid import fast_poll
 
     monkeypatch.setattr(fast_supernode, "patch_supernode_polling", lambda *a: None)
+    monkeypatch.setattr(fast_supernode, "patch_fleet_timeout", lambda *a: None)
     monkeypatch.setattr(flwr.supernode.cli, "flower_supernode", lambda: None)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     assert fast_supernode.main(["--", "--insecure"]) == 0

@@ -233,9 +233,13 @@ def test_flower_profiles_load_with_supernodes_or_one_more(tmp_path: Path) -> Non
     for rate in ("10", "100"):
         net = _flower_network(f"simulations/networks/clients4-{rate}mbit.toml", 4, load_network)
         assert net.num_nodes == 4 and net.bandwidth_Bps[0, 1] == int(rate) * 125_000
-    shared = _flower_network("simulations/networks/clients4-server100mbit.toml", 4, load_network)
-    clients, server = flower_links(shared, 4)
-    assert len(clients) == 4 and server.uplink_Bps == server.downlink_Bps == 12.5e6
+    for rate in ("10", "100"):
+        shared = _flower_network(f"simulations/networks/clients4-server{rate}mbit.toml", 4,
+                                 load_network)
+        clients, server = flower_links(shared, 4)
+        assert len(clients) == 4
+        assert server.uplink_Bps == server.downlink_Bps == int(rate) * 125_000
+        assert clients[0].uplink_Bps == int(rate) * 125_000
 
 
 def test_superlink_link_takes_no_per_peer_rates(tmp_path: Path) -> None:
@@ -307,3 +311,103 @@ def test_running_finds_a_program_in_a_process_command_line() -> None:
     assert running([os.getpid()], "python") or running([os.getpid()], "pytest")
     assert not running([os.getpid()], "flwr-serverapp-that-is-not-here")
     assert not running([2**22 + 12345], "python")  # no such process
+
+
+def test_gossip_variants_give_the_compressed_variant_its_compressor() -> None:
+    from fedddl.commands.testbed import gossip_variants
+
+    assert gossip_variants("scheduled,scheduled+compressed,random", "ternary-entropy") == [
+        ("scheduled", "scheduled", True, {}),
+        ("scheduled+compressed", "scheduled", True, {"compressor": "ternary-entropy"}),
+        ("random", "random", False, {}),
+    ]
+    with pytest.raises(ValueError, match="unknown gossip variants"):
+        gossip_variants("scheduled,compressed", "ternary-base3")
+
+
+def _gossip_result(config: dict[str, object]) -> dict[str, object]:
+    node = {"node_id": 0, "bytes_sent": 1000, "sent": 10, "mean_transfer_s": {"1": 0.01},
+            "sent_to": {"1": 10}, "steps_per_s": 10.0, "steps": 20}
+    return {"config": {"nodes": 2, "target_accuracy": 0.5, **config}, "nodes": [node],
+            "duration_s": 2.0, "final_accuracy": 0.6, "time_to_target_s": 1.0,
+            "steps_per_s": [10.0, 10.0], "messages": 10, "bytes_total": 1000,
+            "testbed": {"wire_tx_bytes": 1100, "load_avg_after": [1.0, 1.0, 1.0]}}
+
+
+def test_predict_gossip_simulates_the_peers_compressor_and_eval_subset(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import fedddl.gossip
+    from fedddl.testbed.predict import predict_gossip
+
+    seen: list[dict[str, object]] = []
+
+    def fake_run_gossip(config: dict[str, object]) -> dict[str, object]:
+        seen.append(config)
+        return {}
+
+    monkeypatch.setattr(fedddl.gossip, "run_gossip", fake_run_gossip)
+    predict_gossip(_gossip_result({"scheduler": "scheduled", "overlap": True,
+                                   "compressor": "ternary-base3", "consensus-step": 0.5,
+                                   "eval-samples": 300}), "homogeneous")
+    predict_gossip(_gossip_result({"scheduler": "random", "overlap": False}), "homogeneous")
+    compressed, plain = seen
+    assert compressed["compressor"] == "ternary-base3"
+    assert compressed["consensus_step"] == 0.5 and compressed["scale_bucket"] == 0
+    assert compressed["eval_samples"] == 300
+    assert "compressor" not in plain and plain["eval_samples"] == 0
+
+
+def test_gossip_matrix_resumes_saved_variants_and_predicts_unpredicted_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from fedddl.testbed import compare
+
+    runs: list[dict[str, object]] = []
+    predictions: list[str] = []
+
+    def fake_run(network: NetworkModel, work: Path, *, scheduler: str, overlap: bool,
+                 target: float, peer_options: dict[str, object]) -> dict[str, object]:
+        runs.append(dict(peer_options))
+        return _gossip_result({"scheduler": scheduler, "overlap": overlap, **peer_options})
+
+    def fake_predict(result: dict[str, object], network: str, **kw: object) -> dict[str, object]:
+        predictions.append(network)
+        return {"time_to_target_s": 2.0, "curve": [], "messages": 5, "bytes_total": 500,
+                "final_accuracy": 0.6, "compute_time_s": 0.1, "stale_merges": 0,
+                "message_overhead_s": kw["message_overhead_s"],
+                "downlink_holds_latency": kw["downlink_holds_latency"]}
+
+    monkeypatch.setattr(compare, "run_gossip_testbed", fake_run)
+    monkeypatch.setattr(compare, "predict_gossip", fake_predict)
+    variants = [("scheduled", "scheduled", True, {}),
+                ("scheduled+compressed", "scheduled", True, {"compressor": "ternary-base3"})]
+    kwargs = {"network_spec": "homogeneous", "nodes": 2, "peer_options": {"steps": 20},
+              "target": 0.5, "repeats": 1, "out_dir": tmp_path}
+    rows = compare.gossip_matrix(variants=variants, predict=False, **kwargs)  # type: ignore[arg-type]
+    assert [r["predicted_time_to_target_s"] for r in rows] == [None, None]
+    assert runs[1]["compressor"] == "ternary-base3" and "compressor" not in runs[0]
+    saved = json.loads((tmp_path / "scheduled+compressed-rep0.json").read_text())
+    assert saved["config"]["compressor"] == "ternary-base3"
+    rows = compare.gossip_matrix(variants=variants, resume=True, **kwargs)  # type: ignore[arg-type]
+    assert len(runs) == 2  # nothing ran again
+    assert len(predictions) == 4  # published and corrected, for each unpredicted variant
+    assert [r["ratio"] for r in rows] == [0.5, 0.5]
+    assert "prediction_corrected" in json.loads((tmp_path / "scheduled-rep0.json").read_text())
+    compare.gossip_matrix(variants=variants, resume=True, **kwargs)  # type: ignore[arg-type]
+    assert len(runs) == 2 and len(predictions) == 4  # saved predictions are reused
+
+
+def test_eval_subset_is_fixed_by_its_seed_and_zero_keeps_everything() -> None:
+    import torch
+
+    from fedddl.gossip.eval_subset import eval_subset
+
+    x, y = torch.arange(100.0).reshape(50, 2), torch.arange(50)
+    assert eval_subset(x, y, 0, 1)[1].tolist() == y.tolist()
+    assert eval_subset(x, y, 60, 1)[1].tolist() == y.tolist()
+    a, b = eval_subset(x, y, 10, 3)[1], eval_subset(x, y, 10, 3)[1]
+    assert a.tolist() == b.tolist() == sorted(a.tolist()) and len(set(a.tolist())) == 10
+    assert eval_subset(x, y, 10, 4)[1].tolist() != a.tolist()
+    with pytest.raises(ValueError, match="eval samples"):
+        eval_subset(x, y, -1, 0)

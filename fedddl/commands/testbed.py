@@ -95,7 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gossip.add_argument("--network", default="heterogeneous", help="profile name or file")
     gossip.add_argument("--nodes", type=int, default=8, help="gossip peers, one per namespace")
     gossip.add_argument("--variants", default="scheduled,random",
-                        help="comma list of scheduled, random (classic), random+overlap")
+                        help="comma list of scheduled, random (classic), random+overlap, "
+                             "scheduled+compressed (scheduled, sending --compressor differences)")
+    gossip.add_argument("--compressor", default="ternary-base3",
+                        help="compressor of the scheduled+compressed variant")
     gossip.add_argument("--steps", type=int, default=300, help="SGD steps of each peer")
     gossip.add_argument("--min-step-s", type=float, default=0.05,
                         help="pace each SGD step to at least this many seconds")
@@ -104,19 +107,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gossip.add_argument("--learning-rate", type=float, default=0.1, help="SGD learning rate")
     gossip.add_argument("--eval-every", type=int, default=10,
                         help="evaluate every this many steps")
+    gossip.add_argument("--eval-samples", type=int, default=0,
+                        help="test examples each evaluation uses, the same in the peers and "
+                             "the simulator (default: 0, the whole test set)")
     gossip.add_argument("--seed", type=int, default=0, help="run seed")
     gossip.add_argument("--target", type=float, required=True,
                         help="accuracy target (required, no default)")
     gossip.add_argument("--repeats", type=int, default=1, help="runs of each variant")
     gossip.add_argument("--no-predict", action="store_true", help="skip the simulator")
+    gossip.add_argument("--resume", action="store_true",
+                        help="reuse variants whose results are already in --out")
     gossip.add_argument("--out", required=True, help="output directory (required, no default)")
 
     cleanup = sub.add_parser("cleanup", help="delete the namespaces a killed run recorded")
     cleanup.add_argument("record", help="namespaces.json of that run")
 
 
-_VARIANTS = {"scheduled": ("scheduled", True), "random": ("random", False),
-             "random+overlap": ("random", True)}
+#: label -> scheduler, overlap, whether the peers send compressed differences (--compressor)
+_VARIANTS = {"scheduled": ("scheduled", True, False), "random": ("random", False, False),
+             "random+overlap": ("random", True, False),
+             "scheduled+compressed": ("scheduled", True, True)}
+
+
+def gossip_variants(labels: str, compressor: str) -> list[tuple[str, str, bool, dict[str, str]]]:
+    """The ``--variants`` list as :func:`fedddl.testbed.compare.gossip_matrix` takes it."""
+    names = [v for v in labels.split(",") if v]
+    unknown = set(names) - set(_VARIANTS)
+    if unknown:
+        raise ValueError(f"unknown gossip variants {sorted(unknown)}")
+    variants = []
+    for name in names:
+        scheduler, overlap, compressed = _VARIANTS[name]
+        extra = {"compressor": compressor} if compressed else {}
+        variants.append((name, scheduler, overlap, extra))
+    return variants
 
 
 def _terminate(signum: int, _frame: FrameType | None) -> None:
@@ -159,18 +183,16 @@ def run(args: argparse.Namespace) -> int:
         else:
             from fedddl.testbed.compare import gossip_matrix
 
-            unknown = set(args.variants.split(",")) - set(_VARIANTS)
-            if unknown:
-                raise ValueError(f"unknown gossip variants {sorted(unknown)}")
             gossip_matrix(
                 network_spec=args.network, nodes=args.nodes,
-                variants=[(v, *_VARIANTS[v]) for v in args.variants.split(",")],
+                variants=gossip_variants(args.variants, args.compressor),
                 peer_options={"steps": args.steps, "min-step-s": args.min_step_s,
                               "dataset": args.dataset, "eval-every": args.eval_every,
+                              "eval-samples": args.eval_samples,
                               "learning-rate": args.learning_rate,
                               **({"arch": args.arch} if args.arch else {})},
                 target=args.target, repeats=args.repeats, out_dir=args.out, seed=args.seed,
-                predict=not args.no_predict,
+                predict=not args.no_predict, resume=args.resume,
             )
         print((Path(args.out) / "summary.md").read_text())
         return 0

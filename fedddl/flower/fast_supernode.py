@@ -14,7 +14,9 @@ one module* with a proxy whose ``sleep(3)`` / ``sleep(0.5)`` last
         --superlink 10.0.0.1:8000 --root-certificates ca.crt ...
 
 It also retries the pull of a message's objects that have not reached the
-SuperLink yet within 0.2 s instead of Flower's 1-10 s (:mod:`fedddl.flower.object_pull`).
+SuperLink yet within 0.2 s instead of Flower's 1-10 s (:mod:`fedddl.flower.object_pull`),
+and gives the Fleet API requests a ``--fleet-timeout`` of 300 s instead of Flower's 30 s, so
+a large object's push survives a slow shared link (:mod:`fedddl.flower.fleet_timeout`).
 
 Trade-off: an idle SuperNode sends one pull request per interval (5/s at
 0.2 s instead of 1/3 s). The patch is checked against the pinned Flower
@@ -30,6 +32,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
+from fedddl.flower.fleet_timeout import FLEET_TIMEOUT_S, patch_fleet_timeout
 from fedddl.flower.heartbeat_patience import patch_heartbeat_patience
 from fedddl.flower.object_pull import SUPERNODE, patch_object_pulls
 
@@ -103,6 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--heartbeat-patience", type=int, default=None,
                         help="missed 30 s heartbeats tolerated before a ClientApp counts as "
                              "stopped (Flower: 2; fedddl.flower.heartbeat_patience)")
+    parser.add_argument("--fleet-timeout", type=float, default=FLEET_TIMEOUT_S,
+                        help="seconds one Fleet API request (e.g. pushing one tensor) may take "
+                             f"(default {FLEET_TIMEOUT_S:g}; Flower: 30)")
     parser.add_argument("supernode_args", nargs=argparse.REMAINDER,
                         help="arguments for flower-supernode (after --)")
     args = parser.parse_args(argv)
@@ -111,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rest = rest[1:]
     patch_supernode_polling(args.poll_interval, args.reply_poll_interval)
     patch_object_pulls(SUPERNODE)
+    patch_fleet_timeout(args.fleet_timeout)
     if args.heartbeat_patience is not None:
         patch_heartbeat_patience(args.heartbeat_patience)
     print(f"fedddl: SuperNode message poll {args.poll_interval} s, reply poll "

@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the attack's value (default: the kind's own)")
     p.add_argument("--eval-every", type=int, default=25,
                    help="evaluate every this many steps (default: 25)")
+    p.add_argument("--eval-samples", type=int, default=0,
+                   help="evaluate on this many test examples drawn from --seed, as the "
+                        "simulator's eval_samples (default: 0, the whole test set)")
     p.add_argument("--min-step-s", type=float, default=0.0, help="pace steps (emulate slow CPU)")
     p.add_argument("--send-timeout-s", type=float, default=2.0,
                    help="deadline of one send, in seconds (default: 2.0)")
@@ -259,6 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any]:
     from fedddl.data import as_tensors, get_labels, load_dataset
+    from fedddl.gossip.eval_subset import eval_subset
     from fedddl.gossip.peer_node import TrainingData
     from fedddl.models import create_model
     from fedddl.partition import make_shards
@@ -270,7 +274,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
     test = load_dataset(args.dataset, root, split="test")
     shard = make_shards(args.partition, get_labels(train), args.num_nodes, seed=args.seed)
     x, y = as_tensors(train)
-    x_test, y_test = as_tensors(test)
+    x_test, y_test = eval_subset(*as_tensors(test), args.eval_samples, args.seed)
     index = shard[args.node_id]
     model = create_model(args.dataset, seed=args.seed, arch=args.arch or None)
     return model, TrainingData(x[index], y[index], x_test, y_test)

@@ -58,6 +58,7 @@ PEER_OPTIONS: dict[str, type] = {
     "scheduler": str,
     "merge": str,
     "eval-every": int,
+    "eval-samples": int,
     "min-step-s": float,
     "send-timeout-s": float,
     "shaper": str,

@@ -11,6 +11,7 @@ import torch
 
 from fedddl.compression import IdentityCompressor, encode_update
 from fedddl.data import as_tensors, load_dataset
+from fedddl.gossip.eval_subset import eval_subset
 from fedddl.gossip.sim_config import GossipConfig
 from fedddl.gossip.sim_node import SimNode
 from fedddl.models import create_model
@@ -41,11 +42,8 @@ def build_setup(config: GossipConfig) -> SimSetup:
     """Load data, shard it, and create one identically initialised model per node."""
     x, y = as_tensors(load_dataset(config.dataset, config.data_root, split="train"))
     x_test, y_test = as_tensors(load_dataset(config.dataset, config.data_root, split="test"))
-    if 0 < config.eval_samples < x_test.shape[0]:
-        # A fixed random test subset keeps evaluation cheap and the same for every run.
-        rng = np.random.default_rng(config.seed)
-        keep = torch.from_numpy(np.sort(rng.choice(x_test.shape[0], config.eval_samples, False)))
-        x_test, y_test = x_test[keep], y_test[keep]
+    # A fixed random test subset keeps evaluation cheap and the same for every run.
+    x_test, y_test = eval_subset(x_test, y_test, config.eval_samples, config.seed)
     shards = make_shards(config.partition, y.numpy(), config.nodes, seed=config.seed)
     base = create_model(config.dataset, seed=config.seed, arch=config.arch)
     model_bytes = model_message_bytes(base.state_dict())

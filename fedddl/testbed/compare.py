@@ -31,7 +31,8 @@ from fedddl.testbed.predict import message_overhead, predict_flower, predict_gos
 __all__ = ["client_rates", "flower_links", "flower_matrix", "gossip_matrix",
            "run_once_more_on_failure"]
 
-GossipVariant = tuple[str, str, bool]  # label, scheduler, overlap
+#: label, scheduler, overlap, more peer options of this variant (e.g. its compressor)
+GossipVariant = tuple[str, str, bool, Mapping[str, str | int | float]]
 
 
 def client_rates(network: NetworkModel) -> list[LinkRates]:
@@ -220,34 +221,37 @@ def gossip_matrix(
     out_dir: str | os.PathLike[str],
     seed: int = 0,
     predict: bool = True,
+    resume: bool = False,
 ) -> list[dict[str, Any]]:
-    """Run each gossip variant on the testbed (and the simulator); return the summary rows."""
+    """Run each gossip variant on the testbed (and the simulator); return the summary rows.
+
+    With ``resume``, a variant whose results file exists in ``out_dir`` is read instead of
+    run again (with the prediction it was saved with; one saved without is predicted now).
+    """
     from fedddl.network import load_network
 
     out = Path(out_dir)
     network = load_network(network_spec, nodes, seed=seed)
     rows: list[dict[str, Any]] = []
     for rep in range(repeats):
-        for label, scheduler, overlap in variants:
+        for label, scheduler, overlap, extra_options in variants:
             name = f"{label}-rep{rep}"
-            result = run_gossip_testbed(
-                network, out / name, scheduler=scheduler, overlap=overlap, target=target,
-                peer_options={"seed": seed, **peer_options},
-            )
+            done = out / f"{name}.json"
+            if resume and done.exists():
+                result = json.loads(done.read_text())
+            else:
+                result = run_gossip_testbed(
+                    network, out / name, scheduler=scheduler, overlap=overlap, target=target,
+                    peer_options={"seed": seed, **peer_options, **extra_options},
+                )
+                _save(done, result)  # kept even if the simulator fails below
+            if predict and "prediction" not in result:
+                _predict_gossip_both_ways(result, network, network_spec, seed)
+                _save(done, result)
             overhead = message_overhead(result, network)
-            sims = []
-            if predict:  # the simulator as published, then corrected (see fedddl.testbed.predict)
-                for extra, held in ((0.0, True), (overhead, False)):
-                    sim = predict_gossip(result, network_spec, seed=seed, message_overhead_s=extra,
-                                         downlink_holds_latency=held)
-                    sims.append({k: sim[k] for k in (
-                        "time_to_target_s", "curve", "messages", "bytes_total", "final_accuracy",
-                        "compute_time_s", "stale_merges", "message_overhead_s",
-                        "downlink_holds_latency")})
-                result["prediction"], result["prediction_corrected"] = sims
-            _save(out / f"{name}.json", result)
+            sims = [result[k] for k in ("prediction", "prediction_corrected") if k in result]
             predicted = sims[0]["time_to_target_s"] if sims else None
-            corrected = sims[1]["time_to_target_s"] if sims else None
+            corrected = sims[1]["time_to_target_s"] if len(sims) > 1 else None
             rows.append({
                 "variant": label, "rep": rep,
                 "final_accuracy": result["final_accuracy"],
@@ -262,11 +266,24 @@ def gossip_matrix(
                 "message_overhead_ms": 1000 * overhead,
                 "corrected_time_to_target_s": corrected,
                 "corrected_ratio": ratio(result["time_to_target_s"], corrected),
-                "corrected_messages": sims[1]["messages"] if sims else None,
+                "corrected_messages": sims[1]["messages"] if len(sims) > 1 else None,
                 "load_avg": result["testbed"]["load_avg_after"][0],
             })
     _write_summary(out, rows, _GOSSIP_COLUMNS, f"Gossip peers on the testbed ({network.name})")
     return rows
+
+
+def _predict_gossip_both_ways(result: dict[str, Any], network: NetworkModel, network_spec: str,
+                              seed: int) -> None:
+    """Add the simulator as published and corrected (:mod:`fedddl.testbed.predict`)."""
+    sims = []
+    for extra, held in ((0.0, True), (message_overhead(result, network), False)):
+        sim = predict_gossip(result, network_spec, seed=seed, message_overhead_s=extra,
+                             downlink_holds_latency=held)
+        sims.append({k: sim[k] for k in (
+            "time_to_target_s", "curve", "messages", "bytes_total", "final_accuracy",
+            "compute_time_s", "stale_merges", "message_overhead_s", "downlink_holds_latency")})
+    result["prediction"], result["prediction_corrected"] = sims
 
 
 _GOSSIP_COLUMNS = [

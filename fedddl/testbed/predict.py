@@ -193,7 +193,9 @@ def predict_gossip(
     included) without the time spent waiting for sends (classic gossip waits
     after every step; the simulator adds that wait itself); the simulated span is
     1.5x the measured duration. ``message_overhead_s`` is added to every link's latency;
-    ``downlink_holds_latency`` is passed to the simulator.
+    ``downlink_holds_latency`` is passed to the simulator. Peers that sent compressed
+    differences (``compressor`` in the configuration) are simulated with the same
+    compressor, consensus step and scale buckets.
     """
     from fedddl.gossip import run_gossip
     from fedddl.network import load_network
@@ -220,8 +222,9 @@ def predict_gossip(
         "batch_size": int(cfg.get("batch-size", 32)),
         "compute_time_s": step_s,
         "eval_interval_s": eval_interval_s,
-        "eval_samples": 0,
+        "eval_samples": int(cfg.get("eval-samples", 0)),
         "downlink_holds_latency": downlink_holds_latency,
+        **_compression(cfg),
     }
     if not message_overhead_s:
         sim = run_gossip(config)
@@ -239,6 +242,15 @@ def predict_gossip(
     sim["message_overhead_s"] = message_overhead_s
     sim["downlink_holds_latency"] = downlink_holds_latency
     return sim
+
+
+def _compression(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The simulator's compression keys for the peers' ``--compressor`` options (none: fp32)."""
+    if not cfg.get("compressor"):
+        return {}
+    return {"compressor": str(cfg["compressor"]),
+            "consensus_step": float(cfg.get("consensus-step", 0.25)),
+            "scale_bucket": int(cfg.get("scale-bucket", 0))}
 
 
 def ratio(measured: float | None, predicted: float | None) -> float | None:
