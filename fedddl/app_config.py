@@ -17,6 +17,8 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from fedddl.app_config_checks import check_run_sizes
+from fedddl.bn_momentum_choice import AUTO as AUTO_BN
+from fedddl.bn_momentum_choice import parse_bn_momentum, resolve_bn_momentum
 from fedddl.defenses import Defenses
 from fedddl.devices import check_device_name
 from fedddl.downlink_choice import AUTO, resolve_downlink
@@ -77,11 +79,13 @@ class AppConfig:
     lr_milestones, lr_gamma : str, float
         Step decay of the learning rate: ``"200,300"`` multiplies it by ``lr_gamma`` after
         round 200 and again after round 300 (:mod:`fedddl.lr_decay`); empty: constant.
-    bn_momentum : float
+    bn_momentum : float or str
         Momentum of every BatchNorm layer of the model, in (0, 1]: how far each round's pooled
         statistics move the running ones (:mod:`fedddl.running_stats`); 0 keeps the model's
-        own (torch's 0.1 in the built-in models). It changes the running statistics (what
-        evaluation uses), never the weights.
+        own (torch's 0.1 in the built-in models); ``"auto"`` (default): 0.5 at
+        ``fraction-train`` < 1, else 0 (:mod:`fedddl.bn_momentum_choice`, the choice made is
+        :attr:`resolved_bn_momentum`). It changes the running statistics (what evaluation
+        uses), never the weights.
     batch_size : int
         Minibatch size of each client per local step.
     local_steps : int
@@ -222,7 +226,7 @@ class AppConfig:
     momentum: float = 0.9
     lr_milestones: str = ""
     lr_gamma: float = 0.1
-    bn_momentum: float = 0.0
+    bn_momentum: float | str = AUTO_BN
     batch_size: int = 32
     local_steps: int = 1
     fraction_train: float = 1.0
@@ -284,10 +288,7 @@ class AppConfig:
         self.lr_decay()  # validates lr-milestones and lr-gamma
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
-        if not 0 <= self.bn_momentum <= 1:
-            raise ValueError(
-                f"bn-momentum must be 0 (the model's own) or in (0, 1], got {self.bn_momentum}"
-            )
+        object.__setattr__(self, "bn_momentum", parse_bn_momentum(self.bn_momentum))
         check_run_sizes(self)
         object.__setattr__(self, "scale_bucket", parse_scale_bucket(self.scale_bucket))
         self._check_scale_bucket()
@@ -358,6 +359,12 @@ class AppConfig:
         )
 
     @property
+    def resolved_bn_momentum(self) -> float:
+        """The BatchNorm momentum this run sets (0: the model's own): ``bn_momentum``, with
+        ``"auto"`` resolved (:func:`fedddl.bn_momentum_choice.resolve_bn_momentum`)."""
+        return resolve_bn_momentum(self.bn_momentum, fraction_train=self.fraction_train)
+
+    @property
     def resolved_scale_bucket(self) -> int:
         """The scale buckets of this run's ``compressor``: :meth:`scale_bucket_for` it."""
         return self.scale_bucket_for(self.compressor)
@@ -417,12 +424,12 @@ class AppConfig:
         """The seeded model constructor of this run, the same in the server and every client.
 
         See :func:`fedddl.models.seeded_model_factory`; every BatchNorm layer gets momentum
-        ``bn_momentum`` (unless 0); with ``device`` the models are placed there.
+        :attr:`resolved_bn_momentum` (unless 0); with ``device`` the models are placed there.
         """
         from fedddl.models import seeded_model_factory, with_bn_momentum
 
         seeded = seeded_model_factory(self.dataset, seed=self.seed, arch=self.model or self.arch)
-        momentum = self.bn_momentum
+        momentum = self.resolved_bn_momentum
 
         def build() -> nn.Module:
             return with_bn_momentum(seeded(), momentum)
@@ -462,4 +469,7 @@ class AppConfig:
 
 
 #: Keys whose values are not of one type, with their own parser (``ValueError`` if bad).
-_PARSERS: dict[str, Callable[[Any], Any]] = {"scale-bucket": parse_scale_bucket}
+_PARSERS: dict[str, Callable[[Any], Any]] = {
+    "scale-bucket": parse_scale_bucket,
+    "bn-momentum": parse_bn_momentum,
+}

@@ -8,6 +8,9 @@ training images (a seeded draw, 64 a batch) in training mode with a cumulative a
 (``momentum=None``). The run itself is unchanged (the copy is thrown away). Each evaluation
 prints one ``BN-LAG`` line; ``--lag-out FILE`` writes them as JSON (per evaluation: ``acc``,
 ``loss`` with the replica's statistics, ``recal_acc``, ``recal_loss`` with recomputed ones).
+``--momenta 0.1,0.3`` also scores, at every evaluation, the same weights with the running
+statistics a run with each of those ``bn-momentum`` values would have
+(:mod:`simulations.bn_momenta`; per evaluation ``acc_at`` and ``loss_at``, by momentum).
 
     python -m simulations.bn_lag --lag-out lag.json -- simulate --engine inline \\
         --dataset fashion-mnist --arch resnet8 --num-clients 100 --fraction-train 0.1 \\
@@ -24,6 +27,8 @@ import sys
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+from simulations.bn_momenta import SideMomenta
 
 _BATCH = 64
 
@@ -57,37 +62,64 @@ def _calibration_images(dataset: str, count: int, seed: int) -> torch.Tensor:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--dataset", default="fashion-mnist", help="calibration images' dataset")
-    parser.add_argument("--calibration", type=int, default=2048, help="training images")
+    parser.add_argument(
+        "--calibration", type=int, default=2048, help="training images (0: no recomputed score)"
+    )
     parser.add_argument("--calibration-seed", type=int, default=123)
     parser.add_argument("--lag-out", default="", help="JSON file of the BN-LAG lines")
+    parser.add_argument(
+        "--momenta", default="", help="comma-separated BatchNorm momenta also scored (side copies)"
+    )
     parser.add_argument("fedddl_args", nargs=argparse.REMAINDER, help="-- simulate ...")
     args = parser.parse_args(argv)
-    rest = [a for a in args.fedddl_args if a != "--"] if args.fedddl_args[:1] == ["--"] else list(
-        args.fedddl_args
+    rest = (
+        [a for a in args.fedddl_args if a != "--"]
+        if args.fedddl_args[:1] == ["--"]
+        else list(args.fedddl_args)
     )
     torch.set_num_threads(1)
     import fedddl.training as training
 
     plain = training.evaluate
     calibration: list[torch.Tensor] = []
-    records: list[dict[str, float]] = []
+    records: list[dict[str, object]] = []
+    sides = SideMomenta([float(m) for m in args.momenta.split(",") if m.strip()])
+    if sides.momenta:
+        import fedddl.replica as replica
+        import fedddl.sync.grid_shadow as grid_shadow
+
+        replica.apply_statistics = sides.wrap(replica.apply_statistics)  # type: ignore[assignment]
+        grid_shadow.apply_statistics = sides.wrap(grid_shadow.apply_statistics)  # type: ignore[assignment]
 
     def evaluate(
         model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
     ) -> tuple[float, float]:
         loss, acc = plain(model, x, y, batch_size)
         if any(isinstance(m, _BatchNorm) for m in model.modules()):
-            if not calibration:
-                calibration.append(
-                    _calibration_images(args.dataset, args.calibration, args.calibration_seed)
-                )
-            recal_loss, recal_acc = plain(recalibrated(model, calibration[0]), x, y, batch_size)
-            records.append(
-                {"acc": acc, "loss": loss, "recal_acc": recal_acc, "recal_loss": recal_loss}
-            )
+            record: dict[str, object] = {"acc": acc, "loss": loss}
+            recal_acc = recal_loss = float("nan")
+            if args.calibration > 0:
+                if not calibration:
+                    calibration.append(
+                        _calibration_images(args.dataset, args.calibration, args.calibration_seed)
+                    )
+                recal = recalibrated(model, calibration[0])
+                recal_loss, recal_acc = plain(recal, x, y, batch_size)
+                record.update(recal_acc=recal_acc, recal_loss=recal_loss)
+            at = {  # before the first statistics update every side is the model itself
+                m: plain(sides.with_statistics_of(model, m), x, y, batch_size)
+                if sides.updates
+                else (loss, acc)
+                for m in sides.momenta
+            }
+            if at:
+                record["acc_at"] = {str(m): a for m, (_, a) in at.items()}
+                record["loss_at"] = {str(m): v for m, (v, _) in at.items()}
+                record["statistics_updates"] = sides.updates
+            records.append(record)
             print(
                 f"BN-LAG acc={acc:.4f} loss={loss:.3f} recalibrated acc={recal_acc:.4f} "
-                f"loss={recal_loss:.3f}",
+                f"loss={recal_loss:.3f}" + "".join(f" m={m}:{a:.4f}" for m, (_, a) in at.items()),
                 flush=True,
             )
         return loss, acc

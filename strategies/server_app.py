@@ -31,6 +31,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 
 from fedddl.app_config import AppConfig
+from fedddl.bn_momentum_choice import MODEL_OWN, resolve_bn_momentum
 from fedddl.compression import takes_scale_bucket
 from fedddl.downlink_choice import resolve_downlink
 from fedddl.scale_bucket_choice import resolve_scale_bucket
@@ -146,6 +147,7 @@ def run_server(
     config["strategy-class"] = f"{type(strategy).__module__}.{type(strategy).__qualname__}"
     config["resolved-downlink"] = cfg.resolved_downlink
     config["resolved-scale-bucket"] = _scale_bucket_used(strategy, cfg)
+    config["resolved-bn-momentum"] = cfg.resolved_bn_momentum
     result: dict[str, Any] = {
         "config": config,
         "initial": recorder.initial,
@@ -253,11 +255,18 @@ def _resume(
 
 
 def _choices_resolved(config: Mapping[str, Any]) -> dict[str, Any]:
-    """``config`` with ``downlink`` and ``scale-bucket`` as the run resolves them (``"auto"``
-    and the value it stands for compare equal on resume; a checkpoint older than the
-    ``scale-bucket`` key ran with one scale per tensor)."""
+    """``config`` with ``downlink``, ``scale-bucket`` and ``bn-momentum`` as the run resolves
+    them (``"auto"`` and the value it stands for compare equal on resume; a checkpoint older
+    than the ``scale-bucket`` key ran with one scale per tensor, one older than ``"auto"``
+    BatchNorm momenta with the model's own unless it says)."""
     out = dict(config)
     fraction = out.get("fraction-train", AppConfig.fraction_train)
+    out.setdefault("bn-momentum", MODEL_OWN)
+    if isinstance(fraction, (int, float)):
+        with contextlib.suppress(ValueError):  # a bad value compares as saved
+            out["bn-momentum"] = resolve_bn_momentum(
+                out["bn-momentum"], fraction_train=float(fraction)
+            )
     if isinstance(out.get("downlink"), str) and isinstance(fraction, (int, float)):
         out["downlink"] = resolve_downlink(
             out["downlink"],

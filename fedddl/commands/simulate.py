@@ -7,11 +7,21 @@ import argparse
 import json
 import sys
 
+from fedddl.bn_momentum_choice import AUTO as AUTO_BN
+from fedddl.bn_momentum_choice import SAMPLED_MOMENTUM, parse_bn_momentum
 from fedddl.scale_bucket_choice import AUTO as AUTO_BUCKET
 from fedddl.scale_bucket_choice import parse_scale_bucket
 
 NAME = "simulate"
 HELP = "run a Flower simulation (TernGrad, GradientAverage or FedAvg) and write results JSON"
+
+
+def _bn_momentum(text: str) -> float | str:
+    """``--bn-momentum``'s value (:func:`fedddl.bn_momentum_choice.parse_bn_momentum`)."""
+    try:
+        return parse_bn_momentum(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _scale_bucket(text: str) -> int | str:
@@ -75,10 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, in [0, 1)")
     parser.add_argument(
         "--bn-momentum",
-        type=float,
-        default=0.0,
+        type=_bn_momentum,
+        default=AUTO_BN,
         help="momentum of every BatchNorm layer, in (0, 1]: how far a round's pooled "
-        "statistics move the running ones (default: 0, the model's own: 0.1)",
+        f"statistics move the running ones; 0: the model's own (0.1) (default: auto, "
+        f"{SAMPLED_MOMENTUM} with --fraction-train < 1, else 0)",
     )
     parser.add_argument(
         "--batch-size", type=int, default=32, help="samples per minibatch per client"
