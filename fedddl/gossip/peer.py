@@ -27,6 +27,7 @@ from typing import Any
 
 from fedddl.gossip.attack import GOSSIP_ATTACKS
 from fedddl.gossip.clip import DEFAULT_CLIP
+from fedddl.gossip.sim_config import GossipConfig
 
 __all__ = ["build_parser", "main"]
 
@@ -67,9 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compressor", default="",
                    help="send compressed model differences (CHOCO-style public copies) with "
                         "this registered compressor, e.g. ternary-base3; default: fp32 models")
-    p.add_argument("--consensus-step", type=float, default=0.25,
+    p.add_argument("--consensus-step", type=float, default=GossipConfig.consensus_step,
                    help="with --compressor: step of the edge updates")
-    p.add_argument("--scale-bucket", type=int, default=0,
+    p.add_argument("--scale-bucket", type=int, default=GossipConfig.scale_bucket,
                    help="with a ternary --compressor: 0 one scale per tensor, N per N "
                         "values, -1 per output channel")
     p.add_argument("--max-model-rate", type=float, default=50.0,

@@ -245,12 +245,16 @@ def predict_gossip(
 
 
 def _compression(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The simulator's compression keys for the peers' ``--compressor`` options (none: fp32)."""
+    """The simulator's compression keys for the peers' ``--compressor`` options (none: fp32);
+    an option the peers were not given is their default, which they take from
+    :class:`~fedddl.gossip.sim_config.GossipConfig`."""
+    from fedddl.gossip.sim_config import GossipConfig
+
     if not cfg.get("compressor"):
         return {}
     return {"compressor": str(cfg["compressor"]),
-            "consensus_step": float(cfg.get("consensus-step", 0.25)),
-            "scale_bucket": int(cfg.get("scale-bucket", 0))}
+            "consensus_step": float(cfg.get("consensus-step", GossipConfig.consensus_step)),
+            "scale_bucket": int(cfg.get("scale-bucket", GossipConfig.scale_bucket))}
 
 
 def ratio(measured: float | None, predicted: float | None) -> float | None:
