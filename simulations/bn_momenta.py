@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
+
+from fedddl.models import with_bn_momentum
 
 __all__ = ["SideMomenta", "digest"]
 
@@ -63,11 +64,7 @@ class SideMomenta:
         ) -> None:
             if not self.sides:
                 for m in self.momenta:
-                    side = copy.deepcopy(model)
-                    for module in side.modules():
-                        if isinstance(module, _BatchNorm):
-                            module.momentum = m
-                    self.sides[m] = side
+                    self.sides[m] = with_bn_momentum(copy.deepcopy(model), m)
             key = digest(stats)
             if key not in self.seen:
                 self.seen.add(key)
