@@ -355,6 +355,24 @@ def test_predict_gossip_simulates_the_peers_compressor_and_eval_subset(
     assert compressed["consensus_step"] == 0.5 and compressed["scale_bucket"] == 0
     assert compressed["eval_samples"] == 300
     assert "compressor" not in plain and plain["eval_samples"] == 0
+    # the peers' curve gains a point every eval-every x step time / nodes (here 10 x 0.1 / 2)
+    assert compressed["eval_interval_s"] == pytest.approx(0.5)
+    assert compressed["stop_at_target"] is False
+
+
+def test_predict_gossip_evaluates_at_least_every_quarter_second_and_can_stop_at_target(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import fedddl.gossip
+    from fedddl.testbed.predict import predict_gossip
+
+    seen: list[dict[str, object]] = []
+    monkeypatch.setattr(fedddl.gossip, "run_gossip", lambda c: seen.append(c) or {})
+    fast = {"scheduler": "scheduled", "overlap": True, "eval-every": 1}
+    sim = predict_gossip(_gossip_result(fast), "homogeneous", stop_at_target=True)
+    assert seen[0]["eval_interval_s"] == 0.25 and seen[0]["stop_at_target"] is True
+    assert sim["eval_interval_s"] == 0.25 and sim["stop_at_target"] is True
+    predict_gossip(_gossip_result(fast), "homogeneous", eval_interval_s=2.0)
+    assert seen[1]["eval_interval_s"] == 2.0
 
 
 def test_gossip_matrix_resumes_saved_variants_and_predicts_unpredicted_ones(
@@ -376,7 +394,8 @@ def test_gossip_matrix_resumes_saved_variants_and_predicts_unpredicted_ones(
         return {"time_to_target_s": 2.0, "curve": [], "messages": 5, "bytes_total": 500,
                 "final_accuracy": 0.6, "compute_time_s": 0.1, "stale_merges": 0,
                 "message_overhead_s": kw["message_overhead_s"],
-                "downlink_holds_latency": kw["downlink_holds_latency"]}
+                "downlink_holds_latency": kw["downlink_holds_latency"],
+                "eval_interval_s": 0.25, "stop_at_target": kw["stop_at_target"]}
 
     monkeypatch.setattr(compare, "run_gossip_testbed", fake_run)
     monkeypatch.setattr(compare, "predict_gossip", fake_predict)

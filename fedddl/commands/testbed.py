@@ -115,6 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="accuracy target (required, no default)")
     gossip.add_argument("--repeats", type=int, default=1, help="runs of each variant")
     gossip.add_argument("--no-predict", action="store_true", help="skip the simulator")
+    gossip.add_argument("--predict-to-target", action="store_true",
+                        help="end each simulation at the target (large models: the simulator "
+                             "trains every node, as long as the peers did)")
     gossip.add_argument("--resume", action="store_true",
                         help="reuse variants whose results are already in --out")
     gossip.add_argument("--out", required=True, help="output directory (required, no default)")
@@ -193,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
                               **({"arch": args.arch} if args.arch else {})},
                 target=args.target, repeats=args.repeats, out_dir=args.out, seed=args.seed,
                 predict=not args.no_predict, resume=args.resume,
+                predict_to_target=args.predict_to_target,
             )
         print((Path(args.out) / "summary.md").read_text())
         return 0

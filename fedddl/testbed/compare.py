@@ -222,6 +222,7 @@ def gossip_matrix(
     seed: int = 0,
     predict: bool = True,
     resume: bool = False,
+    predict_to_target: bool = False,
 ) -> list[dict[str, Any]]:
     """Run each gossip variant on the testbed (and the simulator); return the summary rows.
 
@@ -246,7 +247,8 @@ def gossip_matrix(
                 )
                 _save(done, result)  # kept even if the simulator fails below
             if predict and "prediction" not in result:
-                _predict_gossip_both_ways(result, network, network_spec, seed)
+                _predict_gossip_both_ways(result, network, network_spec, seed,
+                                          to_target=predict_to_target)
                 _save(done, result)
             overhead = message_overhead(result, network)
             sims = [result[k] for k in ("prediction", "prediction_corrected") if k in result]
@@ -274,15 +276,16 @@ def gossip_matrix(
 
 
 def _predict_gossip_both_ways(result: dict[str, Any], network: NetworkModel, network_spec: str,
-                              seed: int) -> None:
+                              seed: int, *, to_target: bool = False) -> None:
     """Add the simulator as published and corrected (:mod:`fedddl.testbed.predict`)."""
     sims = []
     for extra, held in ((0.0, True), (message_overhead(result, network), False)):
         sim = predict_gossip(result, network_spec, seed=seed, message_overhead_s=extra,
-                             downlink_holds_latency=held)
+                             downlink_holds_latency=held, stop_at_target=to_target)
         sims.append({k: sim[k] for k in (
             "time_to_target_s", "curve", "messages", "bytes_total", "final_accuracy",
-            "compute_time_s", "stale_merges", "message_overhead_s", "downlink_holds_latency")})
+            "compute_time_s", "stale_merges", "message_overhead_s", "downlink_holds_latency",
+            "eval_interval_s", "stop_at_target")})
     result["prediction"], result["prediction_corrected"] = sims
 
 

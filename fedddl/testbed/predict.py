@@ -184,8 +184,9 @@ def message_overhead(result: Mapping[str, Any], network: NetworkModel) -> float:
 
 
 def predict_gossip(
-    result: Mapping[str, Any], network: str, *, eval_interval_s: float = 0.25,
+    result: Mapping[str, Any], network: str, *, eval_interval_s: float | None = None,
     seed: int = 0, message_overhead_s: float = 0.0, downlink_holds_latency: bool = True,
+    stop_at_target: bool = False,
 ) -> dict[str, Any]:
     """Run the gossip simulator for the configuration of a testbed gossip ``result``.
 
@@ -196,6 +197,12 @@ def predict_gossip(
     ``downlink_holds_latency`` is passed to the simulator. Peers that sent compressed
     differences (``compressor`` in the configuration) are simulated with the same
     compressor, consensus step and scale buckets.
+
+    ``eval_interval_s`` (virtual seconds between the simulator's evaluations of every
+    node): by default as often as the peers' own curve gained a point, ``eval-every`` x
+    the step time / nodes, and at least every 0.25 s (a large model evaluated every 0.25 s
+    would cost more than its training). ``stop_at_target``: end the simulation when the
+    mean accuracy first reaches the target (its message count then runs to that point).
     """
     from fedddl.gossip import run_gossip
     from fedddl.network import load_network
@@ -206,6 +213,8 @@ def predict_gossip(
         1.0 / float(m["steps_per_s"]) - float(m.get("ship_wait_s", 0.0)) / int(m["steps"])
         for m in result["nodes"]
     )
+    if eval_interval_s is None:
+        eval_interval_s = max(0.25, int(cfg.get("eval-every", 10)) * step_s / nodes)
     config = {
         "scheduler": cfg["scheduler"],
         "overlap": bool(cfg["overlap"]),
@@ -224,6 +233,7 @@ def predict_gossip(
         "eval_interval_s": eval_interval_s,
         "eval_samples": int(cfg.get("eval-samples", 0)),
         "downlink_holds_latency": downlink_holds_latency,
+        "stop_at_target": stop_at_target,
         **_compression(cfg),
     }
     if not message_overhead_s:
@@ -241,6 +251,8 @@ def predict_gossip(
     sim["compute_time_s"] = step_s
     sim["message_overhead_s"] = message_overhead_s
     sim["downlink_holds_latency"] = downlink_holds_latency
+    sim["eval_interval_s"] = eval_interval_s
+    sim["stop_at_target"] = stop_at_target
     return sim
 
 
