@@ -153,3 +153,16 @@ def test_compressed_messages_take_their_own_transfer_time(slow_net: str) -> None
     # / 100 kB/s = 0.31 s, so a node's uplink is free again sooner and it sends more often.
     assert plain["messages"] <= 4 * 4 / 0.49
     assert compressed["messages"] >= 1.4 * plain["messages"]
+
+
+@pytest.mark.parametrize("compressor", [None, "ternary-base3"])
+def test_a_batchnorm_model_is_simulated_and_its_integer_buffer_counted(
+        compressor: str | None) -> None:
+    arch = "tests.support.models:tiny_bn"
+    result = _run(scheduler="scheduled", max_virtual_time_s=3.0, arch=arch,
+                  **({"compressor": compressor} if compressor else {}))
+    state = create_model("digits", seed=0, arch=arch).state_dict()
+    floats = {k: v for k, v in state.items() if v.is_floating_point()}
+    # the peers' MODEL frames carry num_batches_tracked raw (8 bytes), next to the floats
+    assert result["model_bytes"] == len(encode_update(floats, IdentityCompressor())) + 8
+    assert result["messages"] > 0 and result["final_accuracy"] > 0.2

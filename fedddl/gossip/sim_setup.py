@@ -34,8 +34,12 @@ class SimSetup:
 
 
 def model_message_bytes(state: dict[str, torch.Tensor]) -> int:
-    """Bytes of one model message: the state as uncompressed ``encode_update`` wire bytes."""
-    return len(encode_update(state, IdentityCompressor()))
+    """Bytes of one model message: the floating tensors as uncompressed ``encode_update`` wire
+    bytes, the others (BatchNorm's ``num_batches_tracked``) at their raw size, as the peers'
+    MODEL frames carry them."""
+    floats = {k: v for k, v in state.items() if v.is_floating_point()}
+    others = sum(v.numel() * v.element_size() for v in state.values() if not v.is_floating_point())
+    return len(encode_update(floats, IdentityCompressor())) + others
 
 
 def build_setup(config: GossipConfig) -> SimSetup:
