@@ -212,7 +212,8 @@ def test_scale_buckets_travel_both_ways() -> None:
         return reply
 
     grid = InlineGrid(_client_app([ternary_mod]), NODES, tamper=look)
-    strategy = TernaryDelta(_fedavg(fraction_evaluate=1.0), scale_bucket=8, downlink="delta")
+    strategy = TernaryDelta(_fedavg(fraction_evaluate=1.0), scale_bucket=8, downlink="delta",
+                            compressor="ternary-threshold-base3")
     result, _ = _run(grid, strategy, rounds=3)
     assert result.arrays is not None and strategy.dropped == {}
     server = split_model(strategy.broadcast_model()).floats  # type: ignore[arg-type]

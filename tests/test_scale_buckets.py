@@ -325,9 +325,14 @@ def test_ternary_delta_tells_the_nodes_its_scale_buckets() -> None:
     record["scale-bucket"] = -3
     with pytest.raises(ValueError, match="scale-bucket"):
         parse_broadcast(RecordDict({META: record, "arrays": ArrayRecord()}))
+    threshold = "ternary-threshold-base3"
     with pytest.raises(ValueError, match="scale_bucket"):
-        TernaryDelta(FedAvg(), scale_bucket=-2)
-    assert TernaryDelta(FedAvg(), scale_bucket=512).broadcast.scale_bucket == 512
+        TernaryDelta(FedAvg(), scale_bucket=-2, compressor=threshold)
+    bucketed = TernaryDelta(FedAvg(), scale_bucket=512, compressor=threshold)
+    assert bucketed.broadcast.scale_bucket == 512
+    # the default compressor has one scale per tensor: buckets are refused, naming it
+    with pytest.raises(ValueError, match=r"ternary-projected-base3.*does not take scale_bucket"):
+        TernaryDelta(FedAvg(), scale_bucket=512)
 
 
 def test_the_bucket_size_depends_on_the_shape_alone() -> None:

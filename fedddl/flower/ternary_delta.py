@@ -98,9 +98,9 @@ class TernaryDelta(Strategy):
         The wrapped strategy (FedAvg, FedProx, a DP wrapper, ...): it samples nodes,
         builds the messages and aggregates as usual.
     compressor : str
-        Registered compressor, up and down. The default, deterministic threshold ternary
-        (base-3 packed), is contractive, which error feedback needs; TernGrad's stochastic
-        ternary (``"ternary-base3"``) is unbiased but its noise accumulates under FedAvg.
+        Registered compressor, up and down. The default, threshold ternary codes (cut 0.35)
+        with the scale that keeps each delta's length along itself, is contractive as error
+        feedback needs; ``"ternary-threshold-base3"`` (cut 0.5, clip scale) takes buckets.
     clip_sigma : float
         Ternary clipping of each delta tensor, in standard deviations.
     error_feedback : bool
@@ -151,7 +151,8 @@ class TernaryDelta(Strategy):
         Seed of the compressors' stochastic rounding.
     scale_bucket : int
         Scales of the ternary deltas: 0 one per tensor, ``N > 0`` one per bucket of ``N``
-        values, -1 one per output channel (sent to the nodes in :data:`META`).
+        values, -1 one per output channel (sent to the nodes in :data:`META`; not with
+        the default compressor).
     direction_check : float
         A compressed reply whose delta's signs agree with the other replies' majority vote
         less than this fraction of the round's median agreement and more than
@@ -164,7 +165,7 @@ class TernaryDelta(Strategy):
         self,
         strategy: Strategy,
         *,
-        compressor: str = "ternary-threshold-base3",
+        compressor: str = "ternary-projected-base3",
         clip_sigma: float = 2.5,
         error_feedback: bool = True,
         downlink: bool | str = "grid",

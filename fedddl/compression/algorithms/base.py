@@ -31,6 +31,11 @@ class Compressor(ABC):
     #: A plug-in compressor opts in by setting it to ``True``.
     ternary: bool = False
 
+    #: Capability: the factory accepts ``seed`` and ``clip_sigma`` (every ``ternary``
+    #: compressor's does), so :func:`~fedddl.compression.make_compressor` passes them; one
+    #: with neither is built with its factory's defaults.
+    configurable: bool = False
+
     #: Entropy coding of the whole message by :func:`~fedddl.compression.encode_update`:
     #: ``""`` (none) or ``"zstd"`` (format in :mod:`fedddl.compression.codecs.entropy`).
     entropy_coding: str = ""

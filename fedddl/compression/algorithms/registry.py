@@ -9,6 +9,7 @@ from fedddl.compression.algorithms.base import Compressor
 from fedddl.compression.algorithms.identity import IdentityCompressor
 from fedddl.compression.algorithms.ternary import TernaryCompressor, TernaryEntropyCompressor
 from fedddl.compression.algorithms.ternary_fitted import FittedTernaryCompressor
+from fedddl.compression.algorithms.ternary_projected import ProjectedTernaryCompressor
 
 __all__ = [
     "available_compressors",
@@ -22,8 +23,9 @@ __all__ = [
 CompressorFactory = Callable[..., Compressor]
 
 _REGISTRY: dict[str, CompressorFactory] = {}
-#: Whether each registered name builds a ternary compressor, read from its first build.
-_TERNARY: dict[str, bool] = {}
+#: Whether each registered name builds a ternary / a configurable compressor, read from its
+#: first build.
+_CAPS: dict[str, tuple[bool, bool]] = {}
 #: Whether each registered name builds with ``scale_bucket`` set, read from one build.
 _TAKES_BUCKET: dict[str, bool] = {}
 
@@ -43,7 +45,7 @@ def register_compressor(name: str, factory: CompressorFactory, *, overwrite: boo
     if name in _REGISTRY and not overwrite:
         raise ValueError(f"compressor {name!r} is already registered")
     _REGISTRY[name] = factory
-    _TERNARY.pop(name, None)
+    _CAPS.pop(name, None)
     _TAKES_BUCKET.pop(name, None)
 
 
@@ -73,35 +75,42 @@ def make_compressor(
 ) -> Compressor:
     """Build the compressor registered as ``name`` for one use (one message, one seed).
 
-    A compressor whose :attr:`~fedddl.compression.Compressor.ternary` capability is set
-    is built with ``seed`` and ``clip_sigma`` (and ``scale_bucket`` when not 0: its factory
-    must accept it); any other with its factory's defaults.
+    A compressor whose :attr:`~fedddl.compression.Compressor.ternary` or
+    :attr:`~fedddl.compression.Compressor.configurable` capability is set is built with
+    ``seed`` and ``clip_sigma``, and a ternary one with ``scale_bucket`` when not 0 (its
+    factory must accept it); any other with its factory's defaults (``scale_bucket``
+    ignored).
 
     Raises
     ------
     ValueError
-        If ``name`` is not registered.
+        If ``name`` is not registered, or ``scale_bucket`` is not 0 for a configurable
+        compressor that has one scale per tensor or a ternary one whose factory refuses it.
     """
     if name not in _REGISTRY:
         raise ValueError(
             f"unknown compressor {name!r}; registered: {', '.join(available_compressors())}"
         )
-    ternary = _TERNARY.get(name)
-    if ternary is None:  # the capability, from one build with the factory's defaults
+    caps = _CAPS.get(name)
+    if caps is None:  # the capabilities, from one build with the factory's defaults
         compressor = get_compressor(name)
-        ternary = _TERNARY[name] = bool(compressor.ternary)
-        if not ternary:
+        caps = _CAPS[name] = (
+            bool(compressor.ternary), bool(compressor.ternary or compressor.configurable))
+        if not caps[1]:
             return compressor
-    if ternary and scale_bucket:
+    ternary, configurable = caps
+    if not configurable:
+        return get_compressor(name)
+    if scale_bucket and not ternary:
+        raise ValueError(f"compressor {name!r} does not take scale_bucket: one scale per tensor")
+    if scale_bucket:
         try:
             return get_compressor(
                 name, seed=seed, clip_sigma=clip_sigma, scale_bucket=scale_bucket
             )
         except TypeError as error:
             raise ValueError(f"compressor {name!r} does not take scale_bucket: {error}") from None
-    if ternary:
-        return get_compressor(name, seed=seed, clip_sigma=clip_sigma)
-    return get_compressor(name)
+    return get_compressor(name, seed=seed, clip_sigma=clip_sigma)
 
 
 def is_ternary(name: str) -> bool:
@@ -117,8 +126,8 @@ def is_ternary(name: str) -> bool:
 
 def takes_scale_bucket(name: str) -> bool:
     """Whether the compressor registered as ``name`` builds with a non-zero ``scale_bucket``
-    (:func:`make_compressor`): a ternary compressor whose factory accepts it, or one without
-    the ``ternary`` capability (which ignores it).
+    (:func:`make_compressor`): a ternary compressor whose factory accepts it, or one with
+    neither the ``ternary`` nor the ``configurable`` capability (which ignores it).
 
     Raises
     ------
@@ -164,4 +173,7 @@ register_compressor("ternary-threshold", _ternary_threshold)
 register_compressor("ternary-threshold-base3", _ternary_threshold_base3)
 # The same codes with the least-squares scale of each tensor (lower error, same bytes).
 register_compressor("ternary-fitted-base3", FittedTernaryCompressor)
+# The same codes with the scale that keeps each delta's length along itself (the drop-in's
+# default with the cut 0.35: docs/results/dropin-accuracy.md).
+register_compressor("ternary-projected-base3", ProjectedTernaryCompressor)
 register_compressor("identity", IdentityCompressor)

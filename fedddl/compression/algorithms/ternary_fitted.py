@@ -32,6 +32,7 @@ class FittedTernaryCompressor(TernaryCompressor):
     """
 
     ternary = False  # no shared scale (``scale=``): the scale is fitted per tensor
+    configurable = True  # built with the caller's clip_sigma; scale_bucket is refused
 
     def __init__(
         self,
