@@ -1,0 +1,86 @@
+"""Mean and standard error over seeds of the drop-in's accuracy difference to plain.
+
+Reads ``simulations.bench_dropin_accuracy --out`` files; for each strategy, local epochs and
+variant, pairs every seed's run with the plain run of the same seed and prints the mean
+difference (points) ± its standard error over seeds at rounds 5, 15 and 50 and over the
+windows 4-6, 13-15 and 46-50 (a window's mean per seed, then over seeds), where the runs are
+that long. A file named ``plain:PATH`` contributes only its plain runs (earlier baselines).
+
+    python -m simulations.dropin_seed_summary plain:docs/results/dropin-accuracy/diag1.json \\
+        docs/results/dropin-accuracy/projected-e1-s012.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+#: (label, first round, last round) of each column.
+COLUMNS = [("r5", 5, 5), ("r4-6", 4, 6), ("r15", 15, 15), ("r13-15", 13, 15), ("r50", 50, 50),
+           ("r46-50", 46, 50)]
+
+
+def load(paths: list[str]) -> list[dict[str, Any]]:
+    """Every run of the files (only the plain ones of a ``plain:`` file)."""
+    runs = []
+    for spec in paths:
+        only_plain = spec.startswith("plain:")
+        for run in json.loads(Path(spec.removeprefix("plain:")).read_text())["results"]:
+            if not only_plain or run["variant"] == "plain":
+                runs.append(run)
+    return runs
+
+
+Differences = dict[tuple[str, int, str], dict[int, dict[int, float]]]
+
+
+def differences(runs: list[dict[str, Any]]) -> Differences:
+    """(strategy, epochs, variant) -> seed -> round -> accuracy minus plain's (the last run
+    read of a seed and variant wins)."""
+    plain: dict[tuple[str, int, int], dict[int, float]] = {}
+    for run in runs:
+        if run["variant"] == "plain":
+            plain[run["strategy"], run["epochs"], run["seed"]] = {
+                r["round"]: r["accuracy"] for r in run["rounds"]}
+    out: Differences = {}
+    for run in runs:
+        base = plain.get((run["strategy"], run["epochs"], run["seed"]))
+        if run["variant"] == "plain" or base is None:
+            continue
+        out.setdefault((run["strategy"], run["epochs"], run["variant"]), {})[run["seed"]] = {
+            r["round"]: r["accuracy"] - base[r["round"]] for r in run["rounds"]
+            if r["round"] in base}
+    return out
+
+
+def summary_lines(diffs: Differences) -> list[str]:
+    """One line per (strategy, epochs, variant): seeds, then ``column mean±se`` in points."""
+    lines = []
+    for (strategy, epochs, variant), seeds in sorted(diffs.items()):
+        cells = []
+        for label, first, last in COLUMNS:
+            if not all(all(r in d for r in range(first, last + 1)) for d in seeds.values()):
+                continue
+            values = [100 * statistics.mean(d[r] for r in range(first, last + 1))
+                      for d in seeds.values()]
+            se = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0
+            cells.append(f"{label} {statistics.mean(values):+.2f}±{se:.2f}")
+        lines.append(f"{strategy} E{epochs} {variant} seeds={sorted(seeds)}: " + " ".join(cells))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("files", nargs="+", help="--out files of bench_dropin_accuracy "
+                        "(plain:PATH for plain runs only)")
+    args = parser.parse_args(argv)
+    print("\n".join(summary_lines(differences(load(args.files)))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""``simulations.dropin_seed_summary``: paired differences to plain, mean and SE over seeds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from simulations.dropin_seed_summary import differences, load, summary_lines
+
+
+def _run(variant: str, seed: int, accuracies: list[float]) -> dict[str, object]:
+    return {"strategy": "fedavg", "epochs": 1, "seed": seed, "variant": variant,
+            "rounds": [{"round": r, "accuracy": a} for r, a in enumerate(accuracies)]}
+
+
+def test_pairs_each_seed_with_its_plain_run_and_averages_windows(tmp_path: Path) -> None:
+    plain = [_run("plain", s, [0.1] * 16) for s in (0, 1)]
+    dropin = [_run("dropin", 0, [0.1] * 4 + [0.08, 0.07, 0.09] + [0.1] * 9),
+              _run("dropin", 1, [0.1] * 4 + [0.10, 0.09, 0.11] + [0.1] * 9)]
+    stray = _run("dropin", 0, [0.5] * 16)
+    (tmp_path / "a.json").write_text(json.dumps({"results": [*plain, stray]}))
+    (tmp_path / "b.json").write_text(json.dumps({"results": dropin}))
+    runs = load([f"plain:{tmp_path / 'a.json'}", str(tmp_path / "b.json")])
+    assert len(runs) == 4  # the plain: file's dropin run is left out
+    diffs = differences(runs)
+    assert diffs["fedavg", 1, "dropin"][0][5] == pytest.approx(-0.03)
+    (line,) = summary_lines(diffs)
+    # round 5: -3 and -1 points; rounds 4-6: -2 and 0; no round 50 in 16 rounds
+    assert line.startswith("fedavg E1 dropin seeds=[0, 1]: r5 -2.00±1.00 r4-6 -1.00±1.00 r15 +0.00")
+    assert "r50" not in line
