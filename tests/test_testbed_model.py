@@ -166,6 +166,7 @@ def test_a_failed_testbed_run_is_run_once_more_then_raised(
 ) -> None:
     from fedddl.deploy.processes import DeploymentError
     from fedddl.testbed.compare import run_once_more_on_failure
+    from fedddl.testbed.flower_run import RunTimeout
 
     calls: list[int] = []
 
@@ -186,6 +187,15 @@ def test_a_failed_testbed_run_is_run_once_more_then_raised(
     with pytest.raises(DeploymentError, match="no"):
         run_once_more_on_failure(broken, "y")
     assert len(calls) == 2
+
+    def too_long() -> dict[str, int]:
+        calls.append(1)
+        raise RunTimeout("flwr run z exceeded 1800.0 s")
+
+    calls.clear()
+    with pytest.raises(RunTimeout, match="exceeded"):  # past its bound: not run again
+        run_once_more_on_failure(too_long, "z")
+    assert len(calls) == 1
 
 
 def test_predict_flower_charges_a_shared_server_link_all_clients_bytes() -> None:
@@ -268,7 +278,9 @@ class _FakeBed:
     def set_server_rates(self, rates: object) -> None:
         self.server = rates
 
-    def run(self, config: dict[str, object], name: str, *, target: float) -> dict[str, object]:
+    def run(self, config: dict[str, object], name: str, *, target: float,
+            timeout_s: float) -> dict[str, object]:
+        assert timeout_s == 1800.0  # flower_matrix's default bound, passed on
         _FakeBed.runs.append((name, dict(config), self.server))
         rounds = int(config["num-server-rounds"])  # type: ignore[call-overload]
         result = _result([2.0] * rounds, [0.5] * rounds, 1_000_000, 1_000_000)
@@ -301,6 +313,10 @@ def test_flower_matrix_runs_references_with_their_own_rounds_and_shapes_the_serv
         compare.flower_matrix(
             supernodes=2, networks=[], strategies=["terngrad"], run_config={}, target=0.9,
             repeats=1, out_dir=tmp_path, app_dir=tmp_path, reference_rounds=1)
+    with pytest.raises(ValueError, match="run_timeout_s"):
+        compare.flower_matrix(
+            supernodes=2, networks=[], strategies=["terngrad"], run_config={}, target=0.9,
+            repeats=1, out_dir=tmp_path, app_dir=tmp_path, run_timeout_s=0)
 
 
 def test_running_finds_a_program_in_a_process_command_line() -> None:
@@ -366,7 +382,11 @@ def test_predict_gossip_evaluates_at_least_every_quarter_second_and_can_stop_at_
     from fedddl.testbed.predict import predict_gossip
 
     seen: list[dict[str, object]] = []
-    monkeypatch.setattr(fedddl.gossip, "run_gossip", lambda c: seen.append(c) or {})
+    def fake_run_gossip(config: dict[str, object]) -> dict[str, object]:
+        seen.append(config)
+        return {}
+
+    monkeypatch.setattr(fedddl.gossip, "run_gossip", fake_run_gossip)
     fast = {"scheduler": "scheduled", "overlap": True, "eval-every": 1}
     sim = predict_gossip(_gossip_result(fast), "homogeneous", stop_at_target=True)
     assert seen[0]["eval_interval_s"] == 0.25 and seen[0]["stop_at_target"] is True

@@ -82,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flower.add_argument("--reference-rounds", type=int, default=None,
                         help="rounds of the unlimited reference runs (>= 2; default: the "
                              "run config's): they give the prediction's compute term only")
+    flower.add_argument("--run-timeout", type=float, default=1800.0,
+                        help="stop a run after this many seconds, not running it again "
+                             "(default 1800)")
     flower.add_argument("--heartbeat-patience", type=int, default=None,
                         help="missed 30 s heartbeats the SuperLink and SuperNodes tolerate "
                              "(default: Flower's own, 2); more keeps runs alive on a machine "
@@ -181,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
                 repeats=args.repeats, out_dir=args.out, app_dir=_REPO_ROOT,
                 tls=not args.insecure, resume=args.resume,
                 reference_rounds=args.reference_rounds,
-                heartbeat_patience=args.heartbeat_patience,
+                heartbeat_patience=args.heartbeat_patience, run_timeout_s=args.run_timeout,
             )
         else:
             from fedddl.testbed.compare import gossip_matrix

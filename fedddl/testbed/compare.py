@@ -23,7 +23,7 @@ from typing import Any
 
 from fedddl.deploy.processes import DeploymentError
 from fedddl.network import NetworkModel
-from fedddl.testbed.flower_run import FlowerTestbed, time_to_target
+from fedddl.testbed.flower_run import FlowerTestbed, RunTimeout, time_to_target
 from fedddl.testbed.gossip_run import run_gossip_testbed
 from fedddl.testbed.netns import LinkRates
 from fedddl.testbed.predict import message_overhead, predict_flower, predict_gossip, ratio
@@ -86,10 +86,13 @@ def run_once_more_on_failure(run: Callable[[], dict[str, Any]], name: str) -> di
     Flower's SuperLink now and then ends a run while its ServerApp is still working
     (its log then shows "Runtime task-token authentication failed" and the SuperNodes'
     replies are refused with "Run is finished"); the run wrote no results, so running it
-    again loses nothing. A second failure is raised.
+    again loses nothing. A second failure is raised, and so is a :class:`RunTimeout` at once
+    (a run past its time bound would only be stopped at it again).
     """
     try:
         return run()
+    except RunTimeout:
+        raise
     except DeploymentError as error:
         first = str(error).splitlines()[0]
         print(f"fedddl testbed: {name} failed ({first}); running it once more",
@@ -111,6 +114,7 @@ def flower_matrix(
     resume: bool = False,
     reference_rounds: int | None = None,
     heartbeat_patience: int | None = None,
+    run_timeout_s: float = 1800.0,
 ) -> list[dict[str, Any]]:
     """Run every (repetition, network, strategy) on one deployment; return the summary rows.
 
@@ -118,10 +122,13 @@ def flower_matrix(
     of run again (e.g. the unlimited references of an earlier call). ``reference_rounds``
     (at least 2) replaces ``num-server-rounds`` in the unlimited reference runs only: the
     prediction takes just their round 1 and the median of their later rounds.
-    ``heartbeat_patience`` is passed to :class:`FlowerTestbed`.
+    ``heartbeat_patience`` is passed to :class:`FlowerTestbed`; each run is stopped after
+    ``run_timeout_s`` seconds (:class:`RunTimeout`, not run again).
     """
     if reference_rounds is not None and reference_rounds < 2:
         raise ValueError(f"reference_rounds must be >= 2, got {reference_rounds}")
+    if not run_timeout_s > 0:
+        raise ValueError(f"run_timeout_s must be > 0, got {run_timeout_s}")
     out = Path(out_dir)
     unlimited = [LinkRates()] * supernodes
     links = [("unlimited", (unlimited, LinkRates()))] + [
@@ -148,7 +155,8 @@ def flower_matrix(
                         config = {**run_config, "strategy": strategy}
                         if link == "unlimited" and reference_rounds is not None:
                             config["num-server-rounds"] = reference_rounds
-                        attempt = functools.partial(bed.run, config, name, target=target)
+                        attempt = functools.partial(bed.run, config, name, target=target,
+                                                    timeout_s=run_timeout_s)
                         result = run_once_more_on_failure(attempt, name)
                     result["testbed"].update(network=link, target=target,
                                              time_to_target_s=time_to_target(result, target))

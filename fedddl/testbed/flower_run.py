@@ -48,7 +48,11 @@ from fedddl.deploy.processes import (
 from fedddl.testbed.netns import LinkRates, Testbed, namespace_pids, run_in_netns, running
 
 __all__ = ["RETRANSMITTED_SEGMENT_BYTES", "SUPERLINK_PORT", "TCP_OVERHEAD", "FlowerTestbed",
-           "fab_size", "time_to_target", "wire_bounds"]
+           "RunTimeout", "fab_size", "time_to_target", "wire_bounds"]
+
+
+class RunTimeout(DeploymentError):
+    """A run went past its time bound (``FlowerTestbed.run(timeout_s=...)``) and was stopped."""
 
 #: Port of the SuperLink inside its own namespace (nothing else listens there).
 SUPERLINK_PORT = 9092
@@ -296,8 +300,9 @@ class FlowerTestbed:
             time.sleep(0.2)
         if run.alive():
             run.stop()
-            raise DeploymentError(
-                f"flwr run {name} exceeded {timeout_s} s:\n{run.log_text()[-3000:]}"
+            raise RunTimeout(
+                f"flwr run {name} exceeded {timeout_s} s (fedddl testbed flower --run-timeout)"
+                f":\n{run.log_text()[-3000:]}"
             )
         # `flwr run --stream` may return while its ServerApp still works (its log stream
         # ended, seen with 45 MB messages on a loaded machine): wait for the ServerApp.
