@@ -15,20 +15,16 @@ from fedddl.compression import (
 )
 from fedddl.compression.algorithms.ternary_fitted import FittedTernaryCompressor
 from fedddl.sync.screening import PayloadSpec
+from tests.support.tensors import heavy_tailed
 
 FITTED, THRESHOLD = "ternary-fitted-base3", "ternary-threshold-base3"
-
-
-def _heavy(n: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(n, generator=generator) ** 3  # heavy tails, like model deltas
 
 
 @pytest.mark.parametrize("threshold", [0.5, 0.25])
 def test_same_codes_as_threshold_ternary_with_the_mean_magnitude_as_scale(
     threshold: float,
 ) -> None:
-    g = _heavy(10_007, 0)
+    g = heavy_tailed(10_007, 0)
     fitted, _ = FittedTernaryCompressor(threshold=threshold).compress(g)
     plain, _ = TernaryCompressor(deterministic=True, codec="base3", threshold=threshold).compress(g)
     assert isinstance(fitted, TernaryPayload) and isinstance(plain, TernaryPayload)
@@ -39,7 +35,7 @@ def test_same_codes_as_threshold_ternary_with_the_mean_magnitude_as_scale(
 
 
 def test_error_is_below_the_threshold_ternarys_and_contractive() -> None:
-    g = {"a": _heavy(4_000, 1).reshape(40, 100), "b": torch.randn(3_000)}
+    g = {"a": heavy_tailed(4_000, 1).reshape(40, 100), "b": torch.randn(3_000)}
     fitted = decode_update(encode_update(g, make_compressor(FITTED, seed=0, clip_sigma=2.5)))
     plain = decode_update(encode_update(g, make_compressor(THRESHOLD, seed=0, clip_sigma=2.5)))
     for name, tensor in g.items():
@@ -62,7 +58,7 @@ def test_no_shared_scale_and_screened_like_threshold_ternary() -> None:
     with pytest.raises(ValueError, match="no shared scale"):
         compressor.compress(torch.ones(4), scale=2.0)
     assert not compressor.ternary  # not offered for scaler sharing
-    g = {"w": _heavy(500, 2)}
+    g = {"w": heavy_tailed(500, 2)}
     spec = PayloadSpec.for_shapes({"w": (500,)}, compressor)
     assert spec.ternary_codecs == frozenset({"base3"}) and spec.dense_below == 0
     decoded = spec.check(encode_update(g, compressor), 0).decode()

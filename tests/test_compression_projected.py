@@ -17,13 +17,9 @@ from fedddl.compression.algorithms.ternary_projected import (
     ProjectedTernaryCompressor,
 )
 from fedddl.sync.screening import PayloadSpec
+from tests.support.tensors import heavy_tailed
 
 PROJECTED = "ternary-projected-base3"
-
-
-def _heavy(n: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(n, generator=generator) ** 3  # heavy tails, like model deltas
 
 
 @pytest.mark.parametrize("threshold", [0.5, 0.35])
@@ -45,7 +41,8 @@ def test_same_codes_as_threshold_ternary_and_the_same_length_along_the_input(
 
 
 def test_the_cap_keeps_it_contractive_on_heavy_tails() -> None:
-    g = {"a": _heavy(4_000, 1).reshape(40, 100), "b": torch.randn(3_000), "c": _heavy(900, 3)}
+    g = {"a": heavy_tailed(4_000, 1).reshape(40, 100), "b": torch.randn(3_000),
+         "c": heavy_tailed(900, 3)}
     out = decode_update(encode_update(g, make_compressor(PROJECTED, seed=0, clip_sigma=2.5)))
     for name, tensor in g.items():
         nnz = int((out[name] != 0).sum())
@@ -69,7 +66,7 @@ def test_zero_tensor_no_shared_scale_and_screened_like_threshold_ternary() -> No
     compressor = ProjectedTernaryCompressor()
     with pytest.raises(ValueError, match="no shared scale"):
         compressor.compress(torch.ones(4), scale=2.0)
-    g = {"w": _heavy(500, 2)}
+    g = {"w": heavy_tailed(500, 2)}
     spec = PayloadSpec.for_shapes({"w": (500,)}, compressor)
     assert spec.ternary_codecs == frozenset({"base3"})
     decoded = spec.check(encode_update(g, compressor), 0).decode()

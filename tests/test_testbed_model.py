@@ -350,10 +350,10 @@ def _gossip_result(config: dict[str, object]) -> dict[str, object]:
             "testbed": {"wire_tx_bytes": 1100, "load_avg_after": [1.0, 1.0, 1.0]}}
 
 
-def test_predict_gossip_simulates_the_peers_compressor_and_eval_subset(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def simulated_configs(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, object]]:
+    """The configurations ``predict_gossip`` hands the gossip simulator (which is not run)."""
     import fedddl.gossip
-    from fedddl.testbed.predict import predict_gossip
 
     seen: list[dict[str, object]] = []
 
@@ -362,6 +362,14 @@ def test_predict_gossip_simulates_the_peers_compressor_and_eval_subset(
         return {}
 
     monkeypatch.setattr(fedddl.gossip, "run_gossip", fake_run_gossip)
+    return seen
+
+
+def test_predict_gossip_simulates_the_peers_compressor_and_eval_subset(
+        simulated_configs: list[dict[str, object]]) -> None:
+    from fedddl.testbed.predict import predict_gossip
+
+    seen = simulated_configs
     predict_gossip(_gossip_result({"scheduler": "scheduled", "overlap": True,
                                    "compressor": "ternary-base3", "consensus-step": 0.5,
                                    "eval-samples": 300}), "homogeneous")
@@ -377,16 +385,10 @@ def test_predict_gossip_simulates_the_peers_compressor_and_eval_subset(
 
 
 def test_predict_gossip_evaluates_at_least_every_quarter_second_and_can_stop_at_target(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    import fedddl.gossip
+        simulated_configs: list[dict[str, object]]) -> None:
     from fedddl.testbed.predict import predict_gossip
 
-    seen: list[dict[str, object]] = []
-    def fake_run_gossip(config: dict[str, object]) -> dict[str, object]:
-        seen.append(config)
-        return {}
-
-    monkeypatch.setattr(fedddl.gossip, "run_gossip", fake_run_gossip)
+    seen = simulated_configs
     fast = {"scheduler": "scheduled", "overlap": True, "eval-every": 1}
     sim = predict_gossip(_gossip_result(fast), "homogeneous", stop_at_target=True)
     assert seen[0]["eval_interval_s"] == 0.25 and seen[0]["stop_at_target"] is True
