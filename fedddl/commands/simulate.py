@@ -6,30 +6,31 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from typing import TypeVar
 
 from fedddl.bn_momentum_choice import AUTO as AUTO_BN
 from fedddl.bn_momentum_choice import SAMPLED_MOMENTUM, parse_bn_momentum
 from fedddl.scale_bucket_choice import AUTO as AUTO_BUCKET
 from fedddl.scale_bucket_choice import parse_scale_bucket
 
+T = TypeVar("T")
+
 NAME = "simulate"
 HELP = "run a Flower simulation (TernGrad, GradientAverage or FedAvg) and write results JSON"
 
 
-def _bn_momentum(text: str) -> float | str:
-    """``--bn-momentum``'s value (:func:`fedddl.bn_momentum_choice.parse_bn_momentum`)."""
-    try:
-        return parse_bn_momentum(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+def _argument_type(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """``parse`` as an argparse ``type``: its ``ValueError`` (which names the choices) becomes
+    argparse's usage error, with the same message."""
 
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
 
-def _scale_bucket(text: str) -> int | str:
-    """``--scale-bucket``'s value (:func:`fedddl.scale_bucket_choice.parse_scale_bucket`)."""
-    try:
-        return parse_scale_bucket(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+    return convert
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, in [0, 1)")
     parser.add_argument(
         "--bn-momentum",
-        type=_bn_momentum,
+        type=_argument_type(parse_bn_momentum),
         default=AUTO_BN,
         help="momentum of every BatchNorm layer, in (0, 1]: how far a round's pooled "
         f"statistics move the running ones; 0: the model's own (0.1) (default: auto, "
@@ -150,7 +151,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--scale-bucket",
-        type=_scale_bucket,
+        type=_argument_type(parse_scale_bucket),
         default=AUTO_BUCKET,
         help="ternary scales: 0 per tensor, N per N values, -1 per output channel; auto: "
         "-1 where the downlink and compressor allow it, else 0 (default: auto)",
