@@ -267,7 +267,7 @@ def _mean_diff(runs: list[dict[str, Any]], variant: str, at: int) -> float:
 
 
 #: Settings a saved plain run must share with this command to stand in for its plain variant.
-_SAME = ("clients", "fraction", "samples", "test_samples", "lr")
+SAME_SETTINGS = ("clients", "fraction", "samples", "test_samples", "lr")
 
 
 def load_baselines(
@@ -278,7 +278,7 @@ def load_baselines(
     found: dict[tuple[str, int, int], dict[str, Any]] = {}
     for path in paths:
         saved = json.loads(Path(path).read_text())
-        if any(saved["args"].get(k) != getattr(args, k) for k in _SAME):
+        if any(saved["args"].get(k) != getattr(args, k) for k in SAME_SETTINGS):
             continue
         for run in saved["results"]:
             if run["variant"] == "plain" and len(run["rounds"]) > args.rounds:

@@ -4,7 +4,9 @@ Reads ``simulations.bench_dropin_accuracy --out`` files; for each strategy, loca
 variant, pairs every seed's run with the plain run of the same seed and prints the mean
 difference (points) ± its standard error over seeds at rounds 5, 15 and 50 and over the
 windows 4-6, 13-15 and 46-50 (a window's mean per seed, then over seeds), where the runs are
-that long. A file named ``plain:PATH`` contributes only its plain runs (earlier baselines).
+that long. A run is paired only with a plain run of the same settings
+(:data:`simulations.bench_dropin_accuracy.SAME_SETTINGS`, as ``--baseline`` does). A file
+named ``plain:PATH`` contributes only its plain runs (earlier baselines).
 
     python -m simulations.dropin_seed_summary plain:docs/results/dropin-accuracy/diag1.json \\
         docs/results/dropin-accuracy/projected-e1-s012.json
@@ -19,19 +21,24 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from simulations.bench_dropin_accuracy import SAME_SETTINGS
+
 #: (label, first round, last round) of each column.
 COLUMNS = [("r5", 5, 5), ("r4-6", 4, 6), ("r15", 15, 15), ("r13-15", 13, 15), ("r50", 50, 50),
            ("r46-50", 46, 50)]
 
 
 def load(paths: list[str]) -> list[dict[str, Any]]:
-    """Every run of the files (only the plain ones of a ``plain:`` file)."""
+    """Every run of the files (only the plain ones of a ``plain:`` file), each with its
+    file's :data:`SAME_SETTINGS` under ``"settings"``."""
     runs = []
     for spec in paths:
         only_plain = spec.startswith("plain:")
-        for run in json.loads(Path(spec.removeprefix("plain:")).read_text())["results"]:
+        saved = json.loads(Path(spec.removeprefix("plain:")).read_text())
+        settings = tuple(saved["args"].get(k) for k in SAME_SETTINGS)
+        for run in saved["results"]:
             if not only_plain or run["variant"] == "plain":
-                runs.append(run)
+                runs.append({**run, "settings": settings})
     return runs
 
 
@@ -39,16 +46,16 @@ Differences = dict[tuple[str, int, str], dict[int, dict[int, float]]]
 
 
 def differences(runs: list[dict[str, Any]]) -> Differences:
-    """(strategy, epochs, variant) -> seed -> round -> accuracy minus plain's (the last run
-    read of a seed and variant wins)."""
-    plain: dict[tuple[str, int, int], dict[int, float]] = {}
-    for run in runs:
-        if run["variant"] == "plain":
-            plain[run["strategy"], run["epochs"], run["seed"]] = {
-                r["round"]: r["accuracy"] for r in run["rounds"]}
+    """(strategy, epochs, variant) -> seed -> round -> accuracy minus that of the plain run of
+    the same seed and settings (the last run read of a seed and variant wins)."""
+    def key(run: dict[str, Any]) -> tuple[Any, ...]:
+        return run["strategy"], run["epochs"], run["seed"], run["settings"]
+
+    plain = {key(run): {r["round"]: r["accuracy"] for r in run["rounds"]}
+             for run in runs if run["variant"] == "plain"}
     out: Differences = {}
     for run in runs:
-        base = plain.get((run["strategy"], run["epochs"], run["seed"]))
+        base = plain.get(key(run))
         if run["variant"] == "plain" or base is None:
             continue
         out.setdefault((run["strategy"], run["epochs"], run["variant"]), {})[run["seed"]] = {

@@ -20,10 +20,15 @@ def test_pairs_each_seed_with_its_plain_run_and_averages_windows(tmp_path: Path)
     dropin = [_run("dropin", 0, [0.1] * 4 + [0.08, 0.07, 0.09] + [0.1] * 9),
               _run("dropin", 1, [0.1] * 4 + [0.10, 0.09, 0.11] + [0.1] * 9)]
     stray = _run("dropin", 0, [0.5] * 16)
-    (tmp_path / "a.json").write_text(json.dumps({"results": [*plain, stray]}))
-    (tmp_path / "b.json").write_text(json.dumps({"results": dropin}))
-    runs = load([f"plain:{tmp_path / 'a.json'}", str(tmp_path / "b.json")])
-    assert len(runs) == 4  # the plain: file's dropin run is left out
+    settings = {"clients": 10, "fraction": 0.5, "samples": 1000, "test_samples": 2000, "lr": 0.01}
+    (tmp_path / "a.json").write_text(json.dumps({"args": settings, "results": [*plain, stray]}))
+    (tmp_path / "b.json").write_text(json.dumps({"args": settings, "results": dropin}))
+    other = {**settings, "samples": 500}  # a plain run of other settings is never paired
+    (tmp_path / "c.json").write_text(json.dumps(
+        {"args": other, "results": [_run("plain", 1, [0.9] * 16)]}))
+    runs = load([f"plain:{tmp_path / 'a.json'}", str(tmp_path / "b.json"),
+                 f"plain:{tmp_path / 'c.json'}"])
+    assert len(runs) == 5  # the plain: file's dropin run is left out
     diffs = differences(runs)
     assert diffs["fedavg", 1, "dropin"][0][5] == pytest.approx(-0.03)
     (line,) = summary_lines(diffs)
