@@ -46,7 +46,7 @@ class FittedTernaryCompressor(TernaryCompressor):
 
     def __repr__(self) -> str:
         return (
-            f"FittedTernaryCompressor(clip_sigma={self.clip_sigma}, "
+            f"{type(self).__name__}(clip_sigma={self.clip_sigma}, "
             f"threshold={self.threshold}, min_numel={self.min_numel})"
         )
 

@@ -47,12 +47,6 @@ class ProjectedTernaryCompressor(FittedTernaryCompressor):
         super().__init__(clip_sigma, seed, threshold, min_numel)
         self.name = "ternary-projected-base3"
 
-    def __repr__(self) -> str:
-        return (
-            f"ProjectedTernaryCompressor(clip_sigma={self.clip_sigma}, "
-            f"threshold={self.threshold}, min_numel={self.min_numel})"
-        )
-
     def _fit(self, payload: Payload, tensor: torch.Tensor) -> Payload:
         """``payload`` with the projection-keeping scale of its codes."""
         if not isinstance(payload, TernaryPayload) or payload.scale == 0.0:
