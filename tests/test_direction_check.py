@@ -33,9 +33,11 @@ def _round(opposed: int = 0, n: int = 10, seed: int = 0) -> list[torch.Tensor]:
     return grads
 
 
-def _contributions(grads: list[torch.Tensor]) -> list[Contribution]:
+def _contributions(
+    grads: list[torch.Tensor], shape: tuple[int, ...] = (20, 25)
+) -> list[Contribution]:
     return [
-        Contribution(_reply(i), {"w": g.reshape(20, 25).clone()}, scales={"w": 1.0})
+        Contribution(_reply(i), {"w": g.reshape(shape).clone()}, scales={"w": 1.0})
         for i, g in enumerate(grads)
     ]
 
@@ -87,7 +89,7 @@ def test_with_a_noise_margin_replies_within_noise_of_a_weak_median_pass() -> Non
         check = DirectionCheck(0.1, noise=noise)
         found = 0
         for seed in range(40):
-            list(check.filter(iter(_contributions_flat(_weak_round(seed)))))
+            list(check.filter(iter(_contributions(_weak_round(seed), shape=(-1,)))))
             found += sum(bool(v.reason) for v in check.verdicts)
         return found
 
@@ -102,11 +104,6 @@ def test_the_noise_margin_still_drops_opposed_replies(opposed: int) -> None:
     check = DirectionCheck(0.5, noise=3.0)
     kept = list(check.filter(iter(_contributions(_round(opposed=opposed)))))
     assert [c.reply.node_id for c in kept] == list(range(opposed, 10))
-
-
-def _contributions_flat(grads: list[torch.Tensor]) -> list[Contribution]:
-    return [Contribution(_reply(i), {"w": g.clone()}, scales={"w": 1.0})
-            for i, g in enumerate(grads)]  # fmt: skip
 
 
 def test_a_dense_reply_is_dropped_for_its_density_whatever_its_direction() -> None:
