@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import ClassVar
@@ -21,7 +22,13 @@ from fedddl.testbed.flower_run import (
 )
 from fedddl.testbed.gossip_run import gossip_rates, mean_accuracy_curve, shaper_spec
 from fedddl.testbed.netns import LinkRates
-from fedddl.testbed.predict import WIRE_FACTOR, predict_flower, ratio, star_network
+from fedddl.testbed.predict import (
+    WIRE_FACTOR,
+    predict_flower,
+    ratio,
+    star_network,
+    transfer_floor,
+)
 
 
 def _result(walls: list[float], accs: list[float], up: int, down: int) -> dict[str, object]:
@@ -64,6 +71,43 @@ def test_predict_flower_adds_per_client_transfers_to_the_reference_compute() -> 
     assert p["time_to_target_s"] == pytest.approx(7.0 + 5.0 + 5.0)
     assert p["fab_s"] == pytest.approx(1.0)
     assert p["transfer_s"] == pytest.approx(2.0 + 3 * 2.0)
+
+
+def test_a_transfer_floor_takes_the_reference_transfers_out_of_later_rounds() -> None:
+    reference = _result([5.0, 2.0, 4.0, 3.0], [0.1, 0.5, 0.7, 0.9], 100, 100)
+    run = _result([9.0, 9.0, 9.0, 9.0], [0.1, 0.5, 0.7, 0.9], 2_000_000, 1_000_000)
+    clients = [LinkRates(uplink_Bps=1e6, downlink_Bps=5e5)] * 2
+    # 1 s up and 1 s down a round beyond round 1: the floor hides all of the upload
+    # (1.5 s >= 1 s) and a quarter of the download.
+    p = predict_flower(run, reference, clients, fab_bytes=500_000, target=0.7, wire_factor=1.0,
+                       transfer_floor_s={"up": 1.5, "down": 0.25})
+    assert p["round_s"][0] == pytest.approx(5.0 + 1.0 + 1.0)  # round 1: whole transfers
+    assert p["round_s"][1:] == pytest.approx([3.0 + 0.75] * 3)
+    assert p["transfer_s"] == pytest.approx(2.0 + 3 * 0.75)
+    assert p["transfer_floor_s"] == {"up": 1.5, "down": 0.25}
+    assert predict_flower(run, reference, clients, wire_factor=1.0)["transfer_floor_s"] is None
+
+
+def test_transfer_floor_is_the_median_span_after_round_one() -> None:
+    # One SuperNode and the server; 0.5 s samples. Reference rounds of 2 s at t = 0, 2, 4, 6:
+    # the node downloads for 0.5, 1.0, 1.5 s from each round's start and uploads 0.5 s.
+    rows, sent, got = [], 0.0, 0.0
+    down = {0: 1, 2: 2, 4: 3, 6: 2}  # intervals of 0.5 s from the round's start
+    for i in range(17):
+        t = i * 0.5
+        rows.append([1000.0 + t, t, sent, got, got, sent])
+        start = int(t // 2 * 2)
+        into = t - start
+        if into < 0.5 * down[min(start, 6)]:
+            got += 1e6 * 0.5
+        elif into == 1.5:
+            sent += 1e6 * 0.5
+    reference = {"rounds": [{"round": k + 1, "started_at": 1000.0 + 2 * k, "wall_s": 2.0}
+                            for k in range(4)]}
+    floor = transfer_floor(reference, rows, clients=1)
+    assert floor == pytest.approx({"down": 1.0, "up": 0.5})  # median of 1.0, 1.5, 1.0
+    with pytest.raises(ValueError, match="after the first"):
+        transfer_floor({"rounds": reference["rounds"][:1]}, rows, clients=1)
 
 
 def test_predict_flower_charges_tcp_framing_by_default() -> None:
@@ -285,6 +329,7 @@ class _FakeBed:
         rounds = int(config["num-server-rounds"])  # type: ignore[call-overload]
         result = _result([2.0] * rounds, [0.5] * rounds, 1_000_000, 1_000_000)
         result.update(final_accuracy=0.5, testbed={
+            "name": name,
             "app_bytes": {"up": rounds * 1_000_000, "down": rounds * 1_000_000,
                           "fab_per_supernode": 1000},
             "wire": {"tx_bytes": 1, "rx_bytes": 1}, "load_avg_before": [1.0, 1.0, 1.0]})
@@ -317,6 +362,50 @@ def test_flower_matrix_runs_references_with_their_own_rounds_and_shapes_the_serv
         compare.flower_matrix(
             supernodes=2, networks=[], strategies=["terngrad"], run_config={}, target=0.9,
             repeats=1, out_dir=tmp_path, app_dir=tmp_path, run_timeout_s=0)
+
+
+class _SampledBed(_FakeBed):
+    """A fake whose unlimited runs leave activity samples: each client uploads for the
+    first 0.4 s of every 2 s round (and nothing is downloaded)."""
+
+    out: ClassVar[Path]
+
+    def run(self, config: dict[str, object], name: str, *, target: float,
+            timeout_s: float) -> dict[str, object]:
+        result = super().run(config, name, target=target, timeout_s=timeout_s)
+        rounds = result["rounds"]
+        assert isinstance(rounds, list)
+        for k, record in enumerate(rounds):
+            record["started_at"] = 1000.0 + 2.0 * k
+        rows, sent = [], 0.0
+        for i in range(20 * len(rounds) + 1):
+            t = 0.1 * i
+            rows.append([1000.0 + t, t, sent, 0.0, sent, 0.0, 0.0, 0.0])
+            if round(t % 2.0, 6) < 0.4:
+                sent += 1e5
+        if name.startswith("unlimited"):
+            results = self.out / "deployment" / "results"
+            results.mkdir(parents=True, exist_ok=True)
+            (results / f"{name}.activity.json").write_text(json.dumps({"samples": rows}))
+        return result
+
+
+def test_flower_matrix_takes_the_references_transfer_time_out_of_the_prediction(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fedddl.testbed import compare
+
+    monkeypatch.setattr(compare, "FlowerTestbed", _SampledBed)
+    _SampledBed.runs, _SampledBed.out = [], tmp_path
+    rows = compare.flower_matrix(
+        supernodes=2, networks=[("shared", NetworkModel.homogeneous(3, 0.0, 1.25e6))],
+        strategies=["terngrad"], run_config={"num-server-rounds": 10}, target=0.9, repeats=1,
+        out_dir=tmp_path, app_dir=tmp_path, reference_rounds=3)
+    transfer = WIRE_FACTOR / 1.25  # 1 MB each way over the shared 1.25 MB/s link
+    assert rows[1]["transfer_floor_s"] == "0.4/0.0"
+    assert rows[1]["predicted_median_round_s"] == pytest.approx(2.0 + 2 * transfer - 0.4)
+    assert rows[1]["ratio_additive"] == pytest.approx(2.0 / (2.0 + 2 * transfer))
+    saved = json.loads((tmp_path / "shared-terngrad-rep0.json").read_text())["prediction"]
+    assert saved["transfer_floor_s"] == pytest.approx({"up": 0.4, "down": 0.0})
 
 
 def test_running_finds_a_program_in_a_process_command_line() -> None:

@@ -26,7 +26,13 @@ from fedddl.network import NetworkModel
 from fedddl.testbed.flower_run import FlowerTestbed, RunTimeout, time_to_target
 from fedddl.testbed.gossip_run import run_gossip_testbed
 from fedddl.testbed.netns import LinkRates
-from fedddl.testbed.predict import message_overhead, predict_flower, predict_gossip, ratio
+from fedddl.testbed.predict import (
+    message_overhead,
+    predict_flower,
+    predict_gossip,
+    ratio,
+    transfer_floor,
+)
 
 __all__ = ["client_rates", "flower_links", "flower_matrix", "gossip_matrix",
            "run_once_more_on_failure"]
@@ -163,17 +169,31 @@ def flower_matrix(
                     if link == "unlimited":
                         references[strategy] = result
                     reference = references[strategy]
-                    prediction = predict_flower(
-                        result, reference, rates,
+                    predict = functools.partial(
+                        predict_flower, result, reference, rates,
                         fab_bytes=int(result["testbed"]["app_bytes"]["fab_per_supernode"]),
-                        target=target, server=server,
-                    )
+                        target=target, server=server)
+                    floor = _reference_floor(out, reference, supernodes)
+                    prediction = predict(transfer_floor_s=floor)
+                    if floor is not None:  # the model without the floor, for comparison
+                        prediction["additive_round_s"] = predict()["round_s"]
                     prediction["profile_latency_s_not_emulated"] = latency.get(link, 0.0)
                     result["prediction"] = prediction
                     _save(out / f"{name}.json", result)
                     rows.append(_flower_row(result, prediction, strategy, link, rep))
     _write_summary(out, rows, _FLOWER_COLUMNS, "Flower deployment on the testbed")
     return rows
+
+
+def _reference_floor(out: Path, reference: Mapping[str, Any],
+                     supernodes: int) -> dict[str, float] | None:
+    """:func:`transfer_floor` of the unlimited ``reference``, if its activity was sampled."""
+    name = reference.get("testbed", {}).get("name")
+    activity = out / "deployment" / "results" / f"{name}.activity.json"
+    rounds = reference["rounds"]
+    if name is None or not activity.exists() or len(rounds) < 2 or "started_at" not in rounds[1]:
+        return None
+    return transfer_floor(reference, json.loads(activity.read_text())["samples"], supernodes)
 
 
 def _flower_row(result: Mapping[str, Any], prediction: Mapping[str, Any], strategy: str,
@@ -201,6 +221,10 @@ def _flower_row(result: Mapping[str, Any], prediction: Mapping[str, Any], strate
         "predicted_time_to_target_s": prediction["time_to_target_s"],
         "ratio": ratio(measured, prediction["time_to_target_s"]),
         "ratio_all_rounds": ratio(sum(float(r["wall_s"]) for r in rounds), prediction["total_s"]),
+        "transfer_floor_s": _floor_text(prediction.get("transfer_floor_s")),
+        "ratio_additive": ratio(statistics.median(float(r["wall_s"]) for r in rounds),
+                                statistics.median(prediction["additive_round_s"]))
+        if prediction.get("additive_round_s") else None,
         "load_avg": section["load_avg_before"][0],
     }
 
@@ -214,8 +238,14 @@ _FLOWER_COLUMNS = [
     ("time_to_target_s", "measured s to target"),
     ("predicted_time_to_target_s", "predicted s"), ("ratio", "measured/predicted"),
     ("rounds_s", "measured s, all rounds"), ("predicted_rounds_s", "predicted s, all rounds"),
-    ("ratio_all_rounds", "ratio, all rounds"), ("load_avg", "load (1 min)"),
+    ("ratio_all_rounds", "ratio, all rounds"),
+    ("transfer_floor_s", "reference transfer s (up/down)"),
+    ("ratio_additive", "median round measured/predicted without it"), ("load_avg", "load (1 min)"),
 ]
+
+
+def _floor_text(floor: Mapping[str, float] | None) -> str:
+    return "-" if not floor else f"{floor['up']:.1f}/{floor['down']:.1f}"
 
 
 def gossip_matrix(

@@ -15,7 +15,9 @@ the results JSON the ServerApp wrote (the schema of ``fedddl simulate``) with a
 ``testbed`` section added: link rates, the wire bytes counted on every
 SuperNode's interface during the run, the TCP segments the SuperNodes and the
 SuperLink retransmitted meanwhile, the idle traffic rate measured just before
-it, the load average, and the real wall-clock time to the target.
+it, the load average, and the real wall-clock time to the target. Beside the results,
+``<run>.activity.json`` keeps every node's link bytes and the machine's busy CPU time
+every :data:`ACTIVITY_INTERVAL_S` (:mod:`fedddl.testbed.activity` cuts rounds out of it).
 Several runs reuse one deployment, so compared runs share the same processes.
 """
 
@@ -45,6 +47,7 @@ from fedddl.deploy.processes import (
     tcp_accepts,
     write_flwr_config,
 )
+from fedddl.testbed.activity import ActivitySampler
 from fedddl.testbed.netns import LinkRates, Testbed, namespace_pids, run_in_netns, running
 
 __all__ = ["RETRANSMITTED_SEGMENT_BYTES", "SUPERLINK_PORT", "TCP_OVERHEAD", "FlowerTestbed",
@@ -59,6 +62,8 @@ SUPERLINK_PORT = 9092
 _PRELOAD = ("torch", "numpy", "sklearn.datasets", "fedddl.compression.warmup:warm_up",
             "fedddl.flower.object_pull:patch_clientapp_pulls")
 _CONNECTION = "testbed"
+#: Seconds between the samples of the links' and CPUs' activity (`<run>.activity.json`).
+ACTIVITY_INTERVAL_S = 0.1
 
 _SEGMENT = 1448  # payload bytes of a full TCP segment at MTU 1500 (with timestamps)
 _FRAMING = 66  # Ethernet (14) + IPv4 (20) + TCP with timestamps (32)
@@ -289,36 +294,18 @@ class FlowerTestbed:
         before, t0 = self._wire_totals(), time.monotonic()
         resent_before = self._retransmitted()
         load_before = os.getloadavg()
-        run = self.processes.add(start_process(
-            f"flwr-run-{name}",
-            ["flwr", "run", str(self.app_dir.resolve()), _CONNECTION, "--stream",
-             "--run-config", format_node_config(config)],
-            self.logs, env=self.env, prefix=self.net.exec_prefix(self.server),
-        ))
-        deadline = time.monotonic() + timeout_s
-        while run.alive() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if run.alive():
-            run.stop()
-            raise RunTimeout(
-                f"flwr run {name} exceeded {timeout_s} s (fedddl testbed flower --run-timeout)"
-                f":\n{run.log_text()[-3000:]}"
-            )
-        # `flwr run --stream` may return while its ServerApp still works (its log stream
-        # ended, seen with 45 MB messages on a loaded machine): wait for the ServerApp.
-        cli_s = time.monotonic() - t0
-        server_ns = self.net.namespace(self.server)
-        while (not results_path.exists() and time.monotonic() < deadline
-               and running(namespace_pids(server_ns), "flwr-serverapp")):
-            time.sleep(0.5)
+        sampler = ActivitySampler(self.net.hub, [f"p{i}" for i in range(self.net.num_nodes)],
+                                  ACTIVITY_INTERVAL_S).start()
+        try:
+            result, cli_s = self._run_flwr(config, name, results_path, t0, timeout_s)
+        finally:
+            samples = sampler.stop()
         after, t1 = self._wire_totals(), time.monotonic()
         resent_after = self._retransmitted()
         fab = fab_size(self.app_dir, self.env)
-        if run.popen.returncode != 0 or not results_path.exists():
-            raise DeploymentError(
-                f"flwr run {name} failed (exit {run.popen.returncode}):\n{run.log_text()[-4000:]}"
-            )
-        result: dict[str, Any] = json.loads(results_path.read_text())
+        results_path.with_suffix(".activity.json").write_text(json.dumps(
+            {"interval_s": ACTIVITY_INTERVAL_S, "columns": self._activity_columns(),
+             "samples": samples}))
         idle_s = t0 - t_idle
         result["testbed"] = {
             "name": name,
@@ -351,6 +338,46 @@ class FlowerTestbed:
         }
         results_path.write_text(json.dumps(result, indent=1))
         return result
+
+    def _activity_columns(self) -> list[str]:
+        columns = ["unix_s", "busy_cpu_s"]
+        for i in range(self.net.num_nodes):
+            node = "superlink" if i == self.server else f"supernode{i}"
+            columns += [f"{node}_sent_B", f"{node}_received_B"]
+        return columns
+
+    def _run_flwr(self, config: Mapping[str, Any], name: str, results_path: Path, t0: float,
+                  timeout_s: float) -> tuple[dict[str, Any], float]:
+        """``flwr run`` to its end; its results and the CLI's seconds."""
+        run = self.processes.add(start_process(
+            f"flwr-run-{name}",
+            ["flwr", "run", str(self.app_dir.resolve()), _CONNECTION, "--stream",
+             "--run-config", format_node_config(config)],
+            self.logs, env=self.env, prefix=self.net.exec_prefix(self.server),
+        ))
+        deadline = time.monotonic() + timeout_s
+        while run.alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if run.alive():
+            run.stop()
+            raise RunTimeout(
+                f"flwr run {name} exceeded {timeout_s} s (fedddl testbed flower --run-timeout)"
+                f":\n{run.log_text()[-3000:]}"
+            )
+        # `flwr run --stream` may return while its ServerApp still works (its log stream
+        # ended, seen with 45 MB messages on a loaded machine): wait for the ServerApp.
+        cli_s = time.monotonic() - t0
+        server_ns = self.net.namespace(self.server)
+        while (not results_path.exists() and time.monotonic() < deadline
+               and running(namespace_pids(server_ns), "flwr-serverapp")):
+            time.sleep(0.5)
+        if run.popen.returncode != 0 or not results_path.exists():
+            raise DeploymentError(
+                f"flwr run {name} failed (exit {run.popen.returncode}):\n{run.log_text()[-4000:]}"
+            )
+        result: dict[str, Any] = json.loads(results_path.read_text())
+        return result, cli_s
+
 
 
 def _rates_dict(rates: LinkRates) -> dict[str, float | None]:

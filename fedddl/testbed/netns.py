@@ -35,6 +35,7 @@ __all__ = [
     "TestbedUnsupported",
     "check_support",
     "cleanup_recorded",
+    "enter_netns",
     "run_in_netns",
 ]
 
@@ -163,6 +164,21 @@ def _tcp_retransmitted_segments() -> int:
     return int(lines[1][lines[0].index("RetransSegs")])
 
 
+def enter_netns(namespace: str) -> None:
+    """Move the calling *thread* into network namespace ``namespace`` (``setns``).
+
+    Only for threads made for it (:func:`run_in_netns`): the thread stays there.
+    """
+    fd = os.open(f"/run/netns/{namespace}", os.O_RDONLY)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into {namespace}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
 def run_in_netns(namespace: str, fn: Callable[[], _T]) -> _T:
     """Call ``fn`` in a helper thread that has entered network namespace ``namespace``.
 
@@ -174,14 +190,7 @@ def run_in_netns(namespace: str, fn: Callable[[], _T]) -> _T:
 
     def target() -> None:
         try:
-            fd = os.open(f"/run/netns/{namespace}", os.O_RDONLY)
-            try:
-                libc = ctypes.CDLL(None, use_errno=True)
-                if libc.setns(fd, _CLONE_NEWNET) != 0:
-                    err = ctypes.get_errno()
-                    raise OSError(err, f"setns into {namespace}: {os.strerror(err)}")
-            finally:
-                os.close(fd)
+            enter_netns(namespace)
             result.append(fn())
         except BaseException as exc:
             errors.append(exc)

@@ -23,6 +23,15 @@ and the median of its other rounds. Nothing else of the testbed run enters the
 prediction except its byte counts and its accuracy per round (training is the
 same with and without limits).
 
+On a CPU-bound machine the reference's transfers are not free: moving a 45 MB
+message through TLS and gRPC keeps the CPUs busy for seconds, and ``c(k)``
+already holds that time. With the reference's measured transfer spans (its
+``.activity.json``, :func:`transfer_floor`: ``F_up``, ``F_down``, the median over
+its rounds after the first of the first client's start to the last client's end)
+a shaped direction adds only what it takes beyond them, for rounds after the first::
+
+    t_round(k) = c(k) + max(0, up(k) - F_up) + max(0, down(k) - F_down)
+
 Gossip runs (:func:`predict_gossip`) run the discrete-event simulator
 (:func:`fedddl.gossip.run_gossip`) with the same network, nodes, data and
 optimiser, and the peers' measured step time as its compute time. For a
@@ -43,11 +52,12 @@ from pathlib import Path
 from typing import Any
 
 from fedddl.network import NetworkModel
+from fedddl.testbed.activity import rounds_activity
 from fedddl.testbed.flower_run import TCP_OVERHEAD
 from fedddl.testbed.netns import LinkRates
 
 __all__ = ["WIRE_FACTOR", "message_overhead", "predict_flower", "predict_gossip", "ratio",
-           "star_network"]
+           "star_network", "transfer_floor"]
 
 #: Bytes on a shaped link per application byte of a large message: full TCP segments of
 #: 1448 payload bytes in 1514-byte frames (``htb`` counts whole frames).
@@ -79,6 +89,7 @@ def predict_flower(
     target: float | None = None,
     wire_factor: float = WIRE_FACTOR,
     server: LinkRates | None = None,
+    transfer_floor_s: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """Predicted round times and time to ``target`` of the testbed run ``result``.
 
@@ -99,13 +110,19 @@ def predict_flower(
     server : LinkRates, optional
         The SuperLink's access link, shared by every client's transfers (None: not
         shaped).
+    transfer_floor_s : mapping, optional
+        ``{"up": F_up, "down": F_down}`` (:func:`transfer_floor` of the reference): seconds
+        the reference's own transfers took, subtracted from each later round's transfer
+        times (never below 0). None: every transfer adds its whole time.
 
     Returns
     -------
     dict
         ``round_s`` (predicted per round), ``compute_s`` (round 1 and later rounds),
-        ``transfer_s`` (sum over rounds), ``fab_s``, ``total_s`` and ``time_to_target_s``.
+        ``transfer_s`` (sum over rounds, after the floor), ``fab_s``, ``total_s``,
+        ``time_to_target_s`` and ``transfer_floor_s``.
     """
+    floor = transfer_floor_s or {}
     rounds = sorted(result["rounds"], key=lambda r: int(r["round"]))
     ref = [float(r["wall_s"]) for r in sorted(reference["rounds"], key=lambda r: int(r["round"]))]
     first, later = ref[0], statistics.median(ref[1:]) if len(ref) > 1 else ref[0]
@@ -116,8 +133,12 @@ def predict_flower(
     for index, record in enumerate(rounds):
         up = wire_factor * int(record["bytes_up"])
         down = wire_factor * int(record["bytes_down"])
-        transfer = _star_transfer(net, shared, n, up, upward=True)
-        transfer += _star_transfer(net, shared, n, down, upward=False)
+        up_s = _star_transfer(net, shared, n, up, upward=True)
+        down_s = _star_transfer(net, shared, n, down, upward=False)
+        if index:
+            up_s = max(0.0, up_s - float(floor.get("up", 0.0)))
+            down_s = max(0.0, down_s - float(floor.get("down", 0.0)))
+        transfer = up_s + down_s
         if index == 0 and fab_bytes:
             fab_s = _star_transfer(net, shared, n, n * wire_factor * fab_bytes, upward=False)
             transfer += fab_s
@@ -139,7 +160,23 @@ def predict_flower(
         "total_s": sum(times),
         "wire_factor": wire_factor,
         "time_to_target_s": reached,
+        "transfer_floor_s": dict(floor) if floor else None,
     }
+
+
+def transfer_floor(reference: Mapping[str, Any], samples: Sequence[Sequence[float]],
+                   clients: int) -> dict[str, float]:
+    """Seconds the unlimited ``reference``'s transfers took, per direction (``up``, ``down``).
+
+    The median over its rounds after the first of the span from the first of the
+    ``clients`` SuperNodes to start a transfer to the last to end one
+    (:func:`fedddl.testbed.activity.round_activity` of its activity ``samples``).
+    """
+    rounds = rounds_activity(reference, samples, clients=clients)[1:]
+    if not rounds:
+        raise ValueError("the reference has no round after the first with activity samples")
+    return {direction: statistics.median(r["transfer_span_s"][key] for r in rounds)
+            for direction, key in (("up", "upload"), ("down", "download"))}
 
 
 def _server_link(server: LinkRates, latency_s: float) -> NetworkModel:

@@ -18,6 +18,8 @@ run). Checks:
 * the limited run takes longer than the unlimited one by about the predicted
   amount: within [0.6, 1.7] x, a band wide enough for a shared, loaded 2-core
   machine, where a ClientApp's compute time per message varies by several seconds;
+* the link activity sampled beside the limited run (``<run>.activity.json``) saw every
+  client upload at least the round's application bytes;
 * no namespace of the run is left behind.
 
 Skipped, with the reason printed (``pytest -ra``), where namespaces, veth pairs,
@@ -26,6 +28,7 @@ htb or root are not available.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +126,14 @@ def test_rate_limited_deployment_matches_wire_counts_and_predicted_slowdown(
                 print("upper bound not checked, Flower retried a connection:", details, retried)
             else:
                 assert measured <= high, details
+
+    # The link activity sampled beside the run saw the round's uploads on the clients' ports.
+    from fedddl.testbed.activity import rounds_activity
+
+    activity = tmp_path / "bed" / "results" / f"{slow['testbed']['name']}.activity.json"
+    (round1,) = rounds_activity(slow, json.loads(activity.read_text())["samples"], clients=2)
+    assert sum(s["bytes"] for s in round1["upload"]) >= 0.95 * slow["rounds"][0]["bytes_up"]
+    assert all(s["busy_s"] > 0 for s in round1["upload"])
 
     predicted = predict_flower(slow, free, limits, fab_bytes=fab)
     measured_extra = sum(r["wall_s"] for r in slow["rounds"]) - sum(
