@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from fedddl.testbed.activity import _busy_cpu_s, _port_bytes, round_activity, rounds_activity
+from fedddl.testbed.activity import (
+    ActivitySampler,
+    _busy_cpu_s,
+    _port_bytes,
+    round_activity,
+    rounds_activity,
+)
 
 
 def _samples(cpu_rate: list[float], node_rates: list[list[tuple[float, float]]],
@@ -82,3 +88,12 @@ def test_counters_of_this_namespace() -> None:
     with pytest.raises(RuntimeError, match="no counters"):
         _port_bytes(["no-such-port0"])
     assert _busy_cpu_s() > 0
+
+
+def test_a_failing_sampler_keeps_its_error_and_never_raises_into_the_run() -> None:
+    sampler = ActivitySampler("fdt-no-such-namespace-hub", ["p0"], 0.05).start()
+    assert sampler.stop() == []
+    assert isinstance(sampler.error, OSError)
+    assert sampler.stop() == []  # idempotent
+    with pytest.raises(ValueError, match="interval_s"):
+        ActivitySampler("hub", ["p0"], 0.0)

@@ -305,7 +305,7 @@ class FlowerTestbed:
         fab = fab_size(self.app_dir, self.env)
         results_path.with_suffix(".activity.json").write_text(json.dumps(
             {"interval_s": ACTIVITY_INTERVAL_S, "columns": self._activity_columns(),
-             "samples": samples}))
+             "samples": samples, "error": None if sampler.error is None else repr(sampler.error)}))
         idle_s = t0 - t_idle
         result["testbed"] = {
             "name": name,

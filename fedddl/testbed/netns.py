@@ -165,14 +165,10 @@ def _tcp_retransmitted_segments() -> int:
 
 
 def enter_netns(namespace: str) -> None:
-    """Move the calling *thread* into network namespace ``namespace`` (``setns``).
-
-    Only for threads made for it (:func:`run_in_netns`): the thread stays there.
-    """
+    """Move the calling *thread*, one made for it, into network namespace ``namespace``."""
     fd = os.open(f"/run/netns/{namespace}", os.O_RDONLY)
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.setns(fd, _CLONE_NEWNET) != 0:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWNET) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"setns into {namespace}: {os.strerror(err)}")
     finally:
