@@ -98,14 +98,19 @@ class ActivitySampler:
             self.error = exc
 
 
-def _span(times: Sequence[float], rates: Sequence[float], active: float) -> dict[str, float]:
-    """First start, last end and busy seconds of the intervals above ``active`` x the peak."""
+def _hot(rates: Sequence[float], active: float) -> list[bool]:
+    """Which intervals moved at least ``active`` x the peak rate (none if nothing moved)."""
     peak = max(rates, default=0.0)
-    hot = [i for i, r in enumerate(rates) if peak > 0 and r >= active * peak]
-    if not hot:
+    return [peak > 0 and r >= active * peak for r in rates]
+
+
+def _span(times: Sequence[float], rates: Sequence[float], hot: Sequence[bool]) -> dict[str, float]:
+    """First start, last end and busy seconds of the ``hot`` intervals; all their bytes."""
+    marked = [i for i, h in enumerate(hot) if h]
+    if not marked:
         return {"start_s": 0.0, "end_s": 0.0, "busy_s": 0.0, "bytes": 0.0}
-    busy = sum(times[i + 1] - times[i] for i in hot)
-    return {"start_s": times[hot[0]], "end_s": times[hot[-1] + 1], "busy_s": busy,
+    busy = sum(times[i + 1] - times[i] for i in marked)
+    return {"start_s": times[marked[0]], "end_s": times[marked[-1] + 1], "busy_s": busy,
             "bytes": sum(rates[i] * (times[i + 1] - times[i]) for i in range(len(rates)))}
 
 
@@ -138,13 +143,10 @@ def round_activity(
         for node in range(nodes):
             col = 2 + 2 * node + column
             rates = [(rows[i + 1][col] - rows[i][col]) / dt[i] for i in range(len(dt))]
-            span = _span(times, rates, active)
-            result[key].append(span)
-            if node >= counted:
-                continue
-            peak = max(rates, default=0.0)
-            moving = [m or (peak > 0 and r >= active * peak) for m, r in zip(moving, rates,
-                                                                           strict=True)]
+            hot = _hot(rates, active)
+            result[key].append(_span(times, rates, hot))
+            if node < counted:
+                moving = [m or h for m, h in zip(moving, hot, strict=True)]
         spans = [s for s in result[key][:counted] if s["busy_s"] > 0]
         result["transfer_span_s"][key] = (max(s["end_s"] for s in spans)
                                           - min(s["start_s"] for s in spans)) if spans else 0.0

@@ -23,7 +23,7 @@ from typing import Any
 
 from fedddl.deploy.processes import DeploymentError
 from fedddl.network import NetworkModel
-from fedddl.testbed.flower_run import FlowerTestbed, RunTimeout, time_to_target
+from fedddl.testbed.flower_run import FlowerTestbed, RunTimeout, activity_path, time_to_target
 from fedddl.testbed.gossip_run import run_gossip_testbed
 from fedddl.testbed.netns import LinkRates
 from fedddl.testbed.predict import (
@@ -189,7 +189,7 @@ def _reference_floor(out: Path, reference: Mapping[str, Any],
                      supernodes: int) -> dict[str, float] | None:
     """:func:`transfer_floor` of the unlimited ``reference``, if its activity was sampled."""
     name = reference.get("testbed", {}).get("name")
-    activity = out / "deployment" / "results" / f"{name}.activity.json"
+    activity = activity_path(out / "deployment", str(name))
     rounds = reference["rounds"]
     if name is None or not activity.exists() or len(rounds) < 2 or "started_at" not in rounds[1]:
         return None
@@ -203,6 +203,7 @@ def _flower_row(result: Mapping[str, Any], prediction: Mapping[str, Any], strate
     app = section["app_bytes"]
     wire = section["wire"]
     measured = section["time_to_target_s"]
+    median_round = statistics.median(float(r["wall_s"]) for r in rounds)
     return {
         "network": link,
         "strategy": strategy,
@@ -211,9 +212,9 @@ def _flower_row(result: Mapping[str, Any], prediction: Mapping[str, Any], strate
         "final_accuracy": result["final_accuracy"],
         "app_MB_per_round": (app["up"] + app["down"]) / len(rounds) / 1e6,
         "wire_MB": (wire["tx_bytes"] + wire["rx_bytes"]) / 1e6,
-        "median_round_s": statistics.median(float(r["wall_s"]) for r in rounds),
+        "median_round_s": median_round,
         "predicted_median_round_s": statistics.median(prediction["round_s"]),
-        "ratio_median_round": ratio(statistics.median(float(r["wall_s"]) for r in rounds),
+        "ratio_median_round": ratio(median_round,
                                     statistics.median(prediction["round_s"])),
         "rounds_s": sum(float(r["wall_s"]) for r in rounds),
         "predicted_rounds_s": prediction["total_s"],
@@ -222,8 +223,7 @@ def _flower_row(result: Mapping[str, Any], prediction: Mapping[str, Any], strate
         "ratio": ratio(measured, prediction["time_to_target_s"]),
         "ratio_all_rounds": ratio(sum(float(r["wall_s"]) for r in rounds), prediction["total_s"]),
         "transfer_floor_s": _floor_text(prediction.get("transfer_floor_s")),
-        "ratio_additive": ratio(statistics.median(float(r["wall_s"]) for r in rounds),
-                                statistics.median(prediction["additive_round_s"]))
+        "ratio_additive": ratio(median_round, statistics.median(prediction["additive_round_s"]))
         if prediction.get("additive_round_s") else None,
         "load_avg": section["load_avg_before"][0],
     }

@@ -51,7 +51,7 @@ from fedddl.testbed.activity import ActivitySampler
 from fedddl.testbed.netns import LinkRates, Testbed, namespace_pids, run_in_netns, running
 
 __all__ = ["RETRANSMITTED_SEGMENT_BYTES", "SUPERLINK_PORT", "TCP_OVERHEAD", "FlowerTestbed",
-           "RunTimeout", "fab_size", "time_to_target", "wire_bounds"]
+           "RunTimeout", "activity_path", "fab_size", "time_to_target", "wire_bounds"]
 
 
 class RunTimeout(DeploymentError):
@@ -303,7 +303,7 @@ class FlowerTestbed:
         after, t1 = self._wire_totals(), time.monotonic()
         resent_after = self._retransmitted()
         fab = fab_size(self.app_dir, self.env)
-        results_path.with_suffix(".activity.json").write_text(json.dumps(
+        activity_path(self.work, name).write_text(json.dumps(
             {"interval_s": ACTIVITY_INTERVAL_S, "columns": self._activity_columns(),
              "samples": samples, "error": None if sampler.error is None else repr(sampler.error)}))
         idle_s = t0 - t_idle
@@ -378,6 +378,10 @@ class FlowerTestbed:
         result: dict[str, Any] = json.loads(results_path.read_text())
         return result, cli_s
 
+
+def activity_path(work_dir: str | os.PathLike[str], name: str) -> Path:
+    """Where :meth:`FlowerTestbed.run` of run ``name`` keeps its activity samples."""
+    return Path(work_dir) / "results" / f"{name}.activity.json"
 
 
 def _rates_dict(rates: LinkRates) -> dict[str, float | None]:
