@@ -16,7 +16,7 @@ import zlib
 import numpy as np
 import torch
 
-from fedddl.attacks.recode import Recode
+from fedddl.attacks.recode import Recode, code_values
 from fedddl.compression import decode_update, encode_update, read_header
 from fedddl.compression.backends.buckets import bucket_scales
 
@@ -73,7 +73,8 @@ def adaptive_payload(payload: bytes, factor: float, share: float) -> bytes:
             honest = bucket_scales(flat, entry.bucket, None).to(torch.float64) * factor
             per_bucket = honest.clamp(max=_FLOAT32_MAX).to(torch.float32)
             scale = float(per_bucket.max()) if per_bucket.numel() else 0.0
-        tensors[entry.name] = (torch.sign(flat) * signs).reshape(shape)
+        codes = code_values(flat, entry.scale, entry.codec)
+        tensors[entry.name] = (codes * signs).reshape(shape)
         scales[entry.name] = float(np.float32(scale))
         codecs[entry.name] = (entry.codec, entry.bucket, per_bucket)
     return encode_update(tensors, Recode(codecs), scales=scales)

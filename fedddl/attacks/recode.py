@@ -19,13 +19,25 @@ from fedddl.compression import (
     TernaryPayload,
     pack_codes,
 )
+from fedddl.compression.backends.base5 import pack_base5
 from fedddl.compression.backends.packing import CODE_MINUS, CODE_PLUS, CODE_ZERO
 
-__all__ = ["Recode"]
+__all__ = ["Recode", "code_values"]
+
+
+def code_values(decoded: torch.Tensor, scale: float, codec: str) -> torch.Tensor:
+    """The codes of a decoded entry as numbers: its signs (ternary codecs), or its levels
+    ``-2..2`` (``"base5"``: the decoded value over ``scale``)."""
+    if codec != "base5":
+        return torch.sign(decoded)
+    if scale == 0.0:
+        return torch.zeros_like(decoded)
+    return torch.round(decoded.to(torch.float64) / scale).clamp(-2, 2).to(decoded.dtype)
 
 
 class Recode(Compressor):
-    """Encodes given codes (the signs of the input) at given scales; dense without a scale.
+    """Encodes given codes (the signs of the input; for ``"base5"`` its levels, rounded and
+    clipped to ``-2..2``) at given scales; dense without a scale.
 
     Parameters
     ----------
@@ -46,10 +58,14 @@ class Recode(Compressor):
         if scale is None:
             return DensePayload(tensor.detach().contiguous().clone()), ctx
         flat = tensor.detach().reshape(-1)
+        codec, bucket, per_bucket = next(self._codecs)
+        if codec == "base5":
+            levels = flat.to(torch.float64).round().clamp(-2, 2).to(torch.int8).numpy()
+            packed5 = torch.from_numpy(pack_base5(levels))
+            return TernaryPayload(packed5, scale, flat.numel(), codec), ctx
         codes = torch.full(flat.shape, CODE_ZERO, dtype=torch.uint8)
         codes[flat > 0] = CODE_PLUS
         codes[flat < 0] = CODE_MINUS
-        codec, bucket, per_bucket = next(self._codecs)
         packed = pack_codes(codes, codec)
         return TernaryPayload(packed, scale, flat.numel(), codec, bucket, per_bucket), ctx
 

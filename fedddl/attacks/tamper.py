@@ -17,7 +17,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from fedddl.attacks.recode import Recode
+from fedddl.attacks.recode import Recode, code_values
 from fedddl.attacks.spec import Attack
 from fedddl.compression import decode_update, encode_update, read_header
 from fedddl.compression.backends.buckets import bucket_scales
@@ -108,7 +108,7 @@ def rewrite_payload(payload: bytes, attack: Attack) -> bytes:
         if entry.codec is None:
             values[entry.name] = _dense(tensor, attack)
             continue
-        codes = torch.sign(tensor.to(torch.float32))
+        codes = code_values(tensor.to(torch.float32), entry.scale, entry.codec)
         scale = entry.scale
         per_bucket = None
         if entry.bucket:

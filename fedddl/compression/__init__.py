@@ -23,6 +23,7 @@ from fedddl.compression.algorithms.payload import (
     Payload,
     TernaryPayload,
 )
+from fedddl.compression.algorithms.quinary_projected import QuinaryProjectedCompressor
 from fedddl.compression.algorithms.registry import (
     available_compressors,
     get_compressor,
@@ -79,6 +80,7 @@ __all__ = [
     "Payload",
     "PayloadError",
     "PayloadLimitError",
+    "QuinaryProjectedCompressor",
     "ResidualMemory",
     "TernaryCompressor",
     "TernaryEntropyCompressor",

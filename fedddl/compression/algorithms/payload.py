@@ -6,7 +6,8 @@ Only two payload kinds exist, because the wire format
 * :class:`DensePayload`: the tensor's values, uncompressed, in their own dtype.
 * :class:`TernaryPayload`: packed ternary codes plus one float32 scale ``s``;
   element ``i`` decodes to ``s * c_i`` with ``c_i`` in ``{-1, 0, +1}`` (or, with scale
-  buckets, to ``s_b * c_i`` with ``s_b`` the scale of its bucket and ``s = max s_b``).
+  buckets, to ``s_b * c_i`` with ``s_b`` the scale of its bucket and ``s = max s_b``;
+  with the codec ``"base5"``, ``c_i`` in ``{-2, -1, 0, +1, +2}``, one scale).
 
 A user-defined :class:`~fedddl.compression.Compressor` must return one of these.
 """
@@ -19,9 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedddl.compression.backends.base5 import MAX_BASE5_SCALE
 from fedddl.compression.backends.buckets import bucket_count, unpack_bucketed
 from fedddl.compression.backends.device_kernels import unpack_codes as unpack_on_device
-from fedddl.compression.backends.packing import CODECS
+from fedddl.compression.backends.packing import PAYLOAD_CODECS
 from fedddl.compression.backends.unpacking import unpack_codes
 
 __all__ = [
@@ -84,7 +86,8 @@ class TernaryPayload:
     numel:
         Number of packed values.
     codec:
-        ``"2bit"`` (4 codes per byte) or ``"base3"`` (5 codes per byte).
+        ``"2bit"`` (4 codes per byte), ``"base3"`` (5 codes per byte) or ``"base5"`` (five
+        levels, 3 codes per 7 bits: :mod:`fedddl.compression.backends.base5`).
     bucket:
         0: one scale for the tensor. ``N > 0``: one scale per bucket of ``N`` consecutive
         values (:mod:`fedddl.compression.backends.buckets`), in ``bucket_scales``, and
@@ -101,19 +104,23 @@ class TernaryPayload:
     bucket_scales: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if self.codec not in CODECS:
-            raise ValueError(f"unknown codec {self.codec!r}; expected one of {CODECS}")
+        if self.codec not in PAYLOAD_CODECS:
+            raise ValueError(f"unknown codec {self.codec!r}; expected one of {PAYLOAD_CODECS}")
         if not math.isfinite(self.scale) or self.scale < 0:
             raise ValueError(f"scale must be finite and >= 0, got {self.scale}")
         if float(np.float32(self.scale)) != self.scale:
             raise ValueError(
                 f"scale {self.scale!r} is not exactly a float32 (the wire stores float32)"
             )
+        if self.codec == "base5" and self.scale > MAX_BASE5_SCALE:
+            raise ValueError(f"scale {self.scale:.4g} would decode level 2 past float32")
         if self.bucket or self.bucket_scales is not None:
             self._check_buckets()
 
     def _check_buckets(self) -> None:
         scales = self.bucket_scales
+        if self.codec == "base5":
+            raise ValueError("codec 'base5' has one scale per tensor, not scale buckets")
         if not isinstance(self.bucket, int) or self.bucket < 1 or scales is None:
             raise ValueError(f"bucket must be an int >= 1 with bucket_scales, got {self.bucket!r}")
         count = bucket_count(self.numel, self.bucket)
@@ -178,11 +185,11 @@ def decompress_payload(payload: Payload, ctx: Context) -> torch.Tensor:
                 payload.codec,
             )
             return flat.to(ctx.dtype).reshape(ctx.shape).to(ctx.device)
-        if ctx.device.type != "cpu":  # unpack where the sender's tensor lives
+        if ctx.device.type != "cpu" and payload.codec != "base5":  # unpack where it lives
             out = torch.empty(payload.numel, dtype=ctx.dtype, device=ctx.device)
             codes = payload.codes.to(ctx.device)
             unpack_on_device(codes, payload.numel, payload.scale, payload.codec, out)
             return out.reshape(ctx.shape)
-        flat = unpack_codes(payload.codes, payload.numel, payload.scale, payload.codec)
-        return flat.to(ctx.dtype).reshape(ctx.shape)
+        flat = unpack_codes(payload.codes.cpu(), payload.numel, payload.scale, payload.codec)
+        return flat.to(ctx.dtype).reshape(ctx.shape).to(ctx.device)
     raise TypeError(f"unknown payload type {type(payload).__name__}")

@@ -7,6 +7,7 @@ from typing import Any
 
 from fedddl.compression.algorithms.base import Compressor
 from fedddl.compression.algorithms.identity import IdentityCompressor
+from fedddl.compression.algorithms.quinary_projected import QuinaryProjectedCompressor
 from fedddl.compression.algorithms.ternary import TernaryCompressor, TernaryEntropyCompressor
 from fedddl.compression.algorithms.ternary_fitted import FittedTernaryCompressor
 from fedddl.compression.algorithms.ternary_projected import ProjectedTernaryCompressor
@@ -176,4 +177,7 @@ register_compressor("ternary-fitted-base3", FittedTernaryCompressor)
 # The same codes with the scale that keeps each delta's length along itself (the drop-in's
 # default with the cut 0.35: docs/results/dropin-accuracy.md).
 register_compressor("ternary-projected-base3", ProjectedTernaryCompressor)
+# Five levels with the same projection-keeping scale: 7/3 bits a value, about half the
+# ternary codes' error (docs/results/dropin-accuracy.md, eighth round).
+register_compressor("quinary-projected-base5", QuinaryProjectedCompressor)
 register_compressor("identity", IdentityCompressor)

@@ -7,6 +7,9 @@ Each value is a code ``0`` = 0, ``1`` = +1, ``2`` = -1 (``0b11`` is invalid).
 ``"base3"`` (5 values per byte, 1.6 bits per value)
     Byte ``j`` holds values ``5j .. 5j+4`` as ``t0 + 3*t1 + 9*t2 + 27*t3 + 81*t4``
     (bytes ``243..255`` are invalid).
+``"base5"`` (five levels, 3 values per 7 bits)
+    Codes ``0..4`` for 0, +1, -1, +2, -2 (:mod:`.base5`, which packs and checks them;
+    only :func:`packed_size` and the checks here dispatch to it).
 
 Unused trailing slots of the last byte must be zero; the host must be little-endian
 (checked at import). Unpacking: :mod:`.unpacking`.
@@ -21,12 +24,19 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import as_strided
 
+from fedddl.compression.backends.base5 import (
+    invalid_base5,
+    invalid_base5_rows,
+    packed_size_base5,
+)
+
 __all__ = [
     "CODECS",
     "CODE_MINUS",
     "CODE_PLUS",
     "CODE_ZERO",
     "PACK_SLACK",
+    "PAYLOAD_CODECS",
     "codes_per_byte",
     "find_invalid_codes",
     "invalid_code_rows",
@@ -44,23 +54,29 @@ CODE_ZERO = 0b00
 CODE_PLUS = 0b01
 CODE_MINUS = 0b10
 
-#: Names of the packing codecs.
+#: Names of the ternary packing codecs (what :func:`pack_codes` and ternary compressors take).
 CODECS: tuple[str, ...] = ("2bit", "base3")
+#: Every codec a coded payload may carry: the ternary ones and ``"base5"`` (five levels).
+PAYLOAD_CODECS: tuple[str, ...] = (*CODECS, "base5")
 
 _PER_BYTE = {"2bit": 4, "base3": 5}
 _MASK_LOW_BITS = 0x5555555555555555  # bit 0 of every 2-bit slot in an int64
 
 
 def codes_per_byte(codec: str) -> int:
-    """How many values one byte holds under ``codec``."""
+    """How many values one byte holds under ``codec`` (a ternary codec)."""
     try:
         return _PER_BYTE[codec]
     except KeyError:
+        if codec == "base5":
+            raise ValueError("codec 'base5' packs 3 values in 7 bits, not per byte") from None
         raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}") from None
 
 
 def packed_size(numel: int, codec: str) -> int:
     """Bytes needed to pack ``numel`` values with ``codec``."""
+    if codec == "base5":
+        return packed_size_base5(numel)
     per = codes_per_byte(codec)
     return -(-numel // per)
 
@@ -143,7 +159,8 @@ def find_invalid_codes(packed: torch.Tensor, numel: int, codec: str) -> str | No
     Checks the byte count, invalid code values (``0b11`` or bytes ``>= 243``)
     and that unused trailing slots are zero.
     """
-    codes_per_byte(codec)
+    if codec not in PAYLOAD_CODECS:
+        raise ValueError(f"unknown codec {codec!r}; expected one of {PAYLOAD_CODECS}")
     if packed.dtype != torch.uint8 or packed.dim() != 1:
         return f"packed codes must be 1-D uint8, got {packed.dim()}-D {packed.dtype}"
     return invalid_codes(packed.numpy(), numel, codec)
@@ -151,6 +168,8 @@ def find_invalid_codes(packed: torch.Tensor, numel: int, codec: str) -> str | No
 
 def invalid_codes(source: np.ndarray[Any, Any], numel: int, codec: str) -> str | None:
     """:func:`find_invalid_codes` of packed codes in a 1-D ``uint8`` numpy array."""
+    if codec == "base5":
+        return invalid_base5(source, numel)
     if source.size != packed_size(numel, codec):
         return f"{source.size} code bytes for {numel} values (need {packed_size(numel, codec)})"
     if numel == 0:
@@ -181,6 +200,8 @@ def invalid_code_rows(rows: np.ndarray[Any, Any], numel: int, codec: str) -> boo
     """Whether :func:`invalid_codes` finds a problem in any row of ``rows``: a 2-D
     ``uint8`` array holding one tensor's packed codes per row (the same tensor of several
     messages), checked in one pass."""
+    if codec == "base5":
+        return invalid_base5_rows(rows, numel)
     if rows.ndim != 2 or rows.shape[1] != packed_size(numel, codec):
         return True
     if numel == 0 or rows.shape[0] == 0:

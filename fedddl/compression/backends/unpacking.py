@@ -1,7 +1,8 @@
 """Unpacking of ternary codes (layout: :mod:`.packing`) into ``scale * value`` float32,
 by table lookups: 256-entry tables that already hold ``scale * value``, gathered over the
 threads (:mod:`.parallel`) or by the compiled kernels (:mod:`.jit`), bit-identical.
-Invalid codes decode to 0: check them first (:func:`.packing.invalid_codes`).
+Invalid codes decode to 0: check them first (:func:`.packing.invalid_codes`). Five-level
+codes (``"base5"``) are decoded by the numpy gather of :mod:`.base5` in the same passes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedddl.compression.backends.base5 import Base5Gather
 from fedddl.compression.backends.jit import jit_kernels
 from fedddl.compression.backends.packing import codes_per_byte, packed_size
 from fedddl.compression.backends.parallel import run_in_chunks, run_pipelined
@@ -66,6 +68,10 @@ def unpack_code_rows(
     ``uint8``, one tensor's codes per row, as :func:`invalid_code_rows` checks them) at its
     own scale (``scales``: float32, one per row) into the float32 rows of ``target``
     (``rows × numel``), in one numpy pass: the same values, ``code × scale`` in float32."""
+    if codec == "base5":
+        for row, scale, out in zip(rows, scales, target, strict=True):
+            Base5Gather(row, numel, float(scale), out).run_all()
+        return
     count, per = rows.shape[0], codes_per_byte(codec)
     whole = numel // per
     table = _TABLES[codec]
@@ -113,7 +119,7 @@ def unpack_codes_into(
     :func:`packed_size` bytes) into a 1-D float32 numpy array of ``numel`` values, on the
     calling thread with numpy: for small tensors, where batching over the threads costs
     more than it saves."""
-    gather = _Gather(source, numel, scale, codec, target)
+    gather = _gather(source, numel, scale, codec, target)
     gather.run(0, gather.whole)
     gather.finish()
 
@@ -134,12 +140,12 @@ def unpack_codes_new(items: Sequence[tuple[torch.Tensor, int, float, str]]) -> l
             small.append(torch.from_numpy(values))
         return small
     targets = []
-    gathers = []
+    gathers: list[_Gather | Base5Gather] = []
     for packed, numel, scale, codec in items:
         _check_packed(packed, numel, codec)
         target: np.ndarray[Any, Any] = np.empty(numel, dtype=np.float32)
         targets.append(torch.from_numpy(target))
-        gathers.append(_Gather(packed.numpy(), numel, scale, codec, target))
+        gathers.append(_gather(packed.numpy(), numel, scale, codec, target))
     batch = _Batch(gathers)
     run_pipelined(batch.touch, batch.run, batch.total, _TOUCH_SEGMENT)
     batch.finish()
@@ -155,7 +161,7 @@ def unpack_codes_batch(
     :func:`unpack_codes`.  The work of all items is split into equal shares
     over the threads, so many small tensors decode as fast as one large one.
     """
-    gathers = []
+    gathers: list[_Gather | Base5Gather] = []
     for packed, numel, scale, codec, out in items:
         _check_packed(packed, numel, codec)
         if (
@@ -169,7 +175,7 @@ def unpack_codes_batch(
                 f"out must be a contiguous 1-D float32 CPU tensor of {numel} elements, got "
                 f"{tuple(out.shape)} {out.dtype} on {out.device}"
             )
-        gathers.append(_Gather(packed.numpy(), numel, scale, codec, out.detach().numpy()))
+        gathers.append(_gather(packed.numpy(), numel, scale, codec, out.detach().numpy()))
     batch = _Batch(gathers)
     run_in_chunks(batch.run, batch.total, _UNPACK_CHUNK)
     batch.finish()
@@ -180,6 +186,16 @@ def _check_packed(packed: torch.Tensor, numel: int, codec: str) -> None:
         raise ValueError(
             f"{packed.numel()} code bytes for {numel} values (need {packed_size(numel, codec)})"
         )
+
+
+def _gather(
+    source: np.ndarray[Any, Any], numel: int, scale: float, codec: str,
+    target: np.ndarray[Any, Any],
+) -> _Gather | Base5Gather:  # fmt: skip
+    """The gather that decodes one tensor's packed bytes of ``codec`` into ``target``."""
+    if codec == "base5":
+        return Base5Gather(source, numel, scale, target)
+    return _Gather(source, numel, scale, codec, target)
 
 
 class _Gather:
@@ -237,13 +253,13 @@ class _Gather:
 class _Batch:
     """Several gathers seen as one range: the concatenation of their whole bytes."""
 
-    def __init__(self, gathers: list[_Gather]) -> None:
+    def __init__(self, gathers: list[_Gather | Base5Gather]) -> None:
         self.gathers = gathers
         self.starts = list(itertools.accumulate((g.whole for g in gathers), initial=0))
         self.total = self.starts[-1]
         self.kernels = jit_kernels(sum(g.numel for g in gathers))
 
-    def _pieces(self, lo: int, hi: int) -> Iterator[tuple[_Gather, int, int]]:
+    def _pieces(self, lo: int, hi: int) -> Iterator[tuple[_Gather | Base5Gather, int, int]]:
         index = bisect.bisect_right(self.starts, lo) - 1
         while lo < hi:
             end = min(hi, self.starts[index + 1])

@@ -34,6 +34,7 @@ from fedddl.compression.codecs.wire.bucket_entries import check_bucket_data, dec
 from fedddl.compression.codecs.wire.header import Layout, as_view, validated_entries
 from fedddl.compression.codecs.wire.layout import (
     CODEC_OF_KIND,
+    KIND_BASE5,
     KIND_DENSE,
     Entry,
 )
@@ -197,6 +198,8 @@ def decode_layout(
             new_items.append(item)
             new_entries.append(entry)
             result[name] = raw  # placeholder, keeps the message order
+        elif kind == KIND_BASE5 and not _is_direct_target(target, torch.float32):
+            result[name] = _decode_entry(raw, entry, target)  # on the CPU, then copied
         elif unpacks_on_device(target):  # off the CPU: packed bytes go there, unpacked there
             on_device.append((*item, target))
             result[name] = target

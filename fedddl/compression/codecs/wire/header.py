@@ -8,6 +8,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from fedddl.compression.backends.base5 import MAX_BASE5_SCALE
 from fedddl.compression.backends.parallel import crc32_threaded
 from fedddl.compression.codecs.entropy import MAGIC as ENTROPY_MAGIC
 from fedddl.compression.codecs.entropy import EntropyFrame, check_entropy_coded
@@ -21,6 +22,7 @@ from fedddl.compression.codecs.wire.layout import (
     DTYPE_OF_CODE,
     ENTRY_CODES,
     FORMAT_VERSION,
+    KIND_BASE5,
     KIND_DENSE,
     KINDS_OF_VERSION,
     MAGIC,
@@ -189,6 +191,10 @@ def _parse_entries(
                 raise PayloadError(f"tensor {name!r}: non-finite scale {raw_scale}")
             if raw_scale < 0:
                 raise PayloadError(f"tensor {name!r}: negative scale {raw_scale}")
+            if kind == KIND_BASE5 and raw_scale > MAX_BASE5_SCALE:
+                raise PayloadError(
+                    f"tensor {name!r}: scale {raw_scale:.4g} would decode level 2 past float32"
+                )
             scale = raw_scale
         bucket = 0
         if kind in BUCKET_KINDS:

@@ -12,7 +12,8 @@ Byte layout (versions 1 and 2, all integers little-endian)::
                     u16  name length L (<= MAX_NAME_BYTES), then L bytes UTF-8 name
                     u8   dtype: 1 float32, 2 float64, 3 float16, 4 bfloat16
                     u8   kind:  0 dense, 1 ternary 2-bit, 2 ternary base-3,
-                                (version 2 only) 3 2-bit with buckets, 4 base-3 with buckets
+                                (version 2 only) 3 2-bit with buckets, 4 base-3 with buckets,
+                                5 five-level base-5 (one scale)
                     u8   ndim (<= MAX_NDIM), then ndim x u64 dims (each <= MAX_DIM)
                     f32  scale s (ternary kinds only; finite, >= 0)
                     u32  bucket size N >= 1 (kinds 3 and 4 only)
@@ -20,6 +21,7 @@ Byte layout (versions 1 and 2, all integers little-endian)::
                     dense:    numel * itemsize raw bytes of the dtype
                     2-bit:    ceil(numel / 4) bytes, 4 codes per byte
                     base-3:   ceil(numel / 5) bytes, 5 codes per byte
+                    base-5:   ceil(7 * ceil(numel / 3) / 8) bytes, 3 codes per 7 bits
                     kinds 3, 4: ceil(numel / N) f32 bucket scales s_b (finite, >= 0,
                               their maximum is s), then the codes as for kinds 1, 2
                   (code layout: :mod:`fedddl.compression.backends.packing`)
@@ -28,9 +30,10 @@ Byte layout (versions 1 and 2, all integers little-endian)::
 A message without bucket entries is written as version 1 (byte for byte what it always
 was); a version-1 message declaring kind 3 or 4 is refused. An ``FDTE`` message
 (:mod:`fedddl.compression.codecs.entropy`) carries the same count, entries and data
-zstd-coded, kinds 0 to 2 only. Data sizes follow from the header alone; a ternary entry
-decodes to ``s * code`` (``s_b * code`` for a value of bucket ``b``) computed in float32,
-then cast to ``dtype``.
+zstd-coded, kinds 0, 1, 2 and 5 (no buckets). Kind 5 is new with five-level codes;
+decoders before it refuse such a message (unknown kind) whole. Data sizes follow from the
+header alone; a coded entry decodes to ``s * code`` (``s_b * code`` for a value of bucket
+``b``) computed in float32, then cast to ``dtype``.
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ COUNT = struct.Struct("<I")  # the tensor count that opens an entropy-coded body
 MIN_ENTRY = 2 + 3  # empty name, dtype, kind, ndim
 KIND_DENSE, KIND_2BIT, KIND_BASE3 = 0, 1, 2
 KIND_2BIT_BUCKETS, KIND_BASE3_BUCKETS = 3, 4
-KIND_OF_CODEC = {"2bit": KIND_2BIT, "base3": KIND_BASE3}
+KIND_BASE5 = 5
+KIND_OF_CODEC = {"2bit": KIND_2BIT, "base3": KIND_BASE3, "base5": KIND_BASE5}
 BUCKET_KIND_OF_CODEC = {"2bit": KIND_2BIT_BUCKETS, "base3": KIND_BASE3_BUCKETS}
 CODEC_OF_KIND = {
     **{v: k for k, v in KIND_OF_CODEC.items()},
@@ -74,8 +78,8 @@ CODEC_OF_KIND = {
 BUCKET_KINDS = frozenset(BUCKET_KIND_OF_CODEC.values())
 #: The kinds each format version may declare.
 KINDS_OF_VERSION = {
-    FORMAT_VERSION: frozenset({KIND_DENSE, KIND_2BIT, KIND_BASE3}),
-    BUCKETS_VERSION: frozenset({KIND_DENSE, KIND_2BIT, KIND_BASE3}) | BUCKET_KINDS,
+    FORMAT_VERSION: frozenset({KIND_DENSE, KIND_2BIT, KIND_BASE3, KIND_BASE5}),
+    BUCKETS_VERSION: frozenset({KIND_DENSE, KIND_2BIT, KIND_BASE3, KIND_BASE5}) | BUCKET_KINDS,
 }
 BUCKET = struct.Struct("<I")
 DTYPE_CODES: dict[torch.dtype, int] = {
