@@ -199,3 +199,18 @@ def test_the_bench_stand_ins_decode_what_they_stand_for() -> None:
     assert float((twice - g).norm()) < float((once - g).norm())
     with pytest.raises(ValueError, match="unknown stand-in"):
         StandIn("sign")
+
+
+def test_screened_as_five_level_codes_only() -> None:
+    from fedddl.compression.algorithms.ternary_projected import ProjectedTernaryCompressor
+    from fedddl.sync.errors import PayloadRejected
+    from fedddl.sync.screening import PayloadSpec
+
+    compressor = QuinaryProjectedCompressor()
+    spec = PayloadSpec.for_shapes({"w": (500,)}, compressor)
+    assert spec.ternary_codecs == frozenset({"base5"})
+    g = {"w": heavy_tailed(500, 5)}
+    decoded = spec.check(encode_update(g, compressor), 0).decode()
+    assert torch.equal(decoded["w"], decode_update(encode_update(g, compressor))["w"])
+    with pytest.raises(PayloadRejected, match="codec 'base3'"):
+        spec.check(encode_update(g, ProjectedTernaryCompressor()), 0)

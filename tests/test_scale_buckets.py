@@ -331,7 +331,7 @@ def test_ternary_delta_tells_the_nodes_its_scale_buckets() -> None:
     bucketed = TernaryDelta(FedAvg(), scale_bucket=512, compressor=threshold)
     assert bucketed.broadcast.scale_bucket == 512
     # the default compressor has one scale per tensor: buckets are refused, naming it
-    with pytest.raises(ValueError, match=r"ternary-projected-base3.*does not take scale_bucket"):
+    with pytest.raises(ValueError, match=r"quinary-projected-base5.*does not take scale_bucket"):
         TernaryDelta(FedAvg(), scale_bucket=512)
 
 

@@ -139,7 +139,7 @@ def _attack(
 
 
 # ------------------------------------------------------------------ tests
-@pytest.mark.parametrize("scale", [1e6, 1e30, 3e38])
+@pytest.mark.parametrize("scale", [1e6, 1e30, 1.7e38])
 def test_a_huge_scale_is_dropped(scale: float, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
         strategy, result, seen, _ = _attack(_payload(_with_scale(scale)), {1, 2, 3})
@@ -151,12 +151,25 @@ def test_a_huge_scale_is_dropped(scale: float, caplog: pytest.LogCaptureFixture)
     assert len(dropped) == 3 and all("exceeds the bound" in m for m in dropped), messages
 
 
+def test_a_five_level_scale_past_float32_is_a_malformed_reply(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """3e38 x level 2 is not a float32: the message itself is refused, before any bound."""
+    with caplog.at_level(logging.WARNING):
+        strategy, result, seen, _ = _attack(_payload(_with_scale(3e38)), {1, 2, 3})
+    assert result.arrays is not None and all(_finite(a) for a in seen)
+    assert strategy.dropped == {"PayloadError": 3} and strategy.clipped == {}
+    messages = [r.getMessage() for r in caplog.records]
+    dropped = [m for m in messages if f"TernaryDelta dropped the reply of node {VICTIM}" in m]
+    assert len(dropped) == 3 and all("past float32" in m for m in dropped), messages
+
+
 def test_a_huge_scale_is_clipped_to_the_bound_with_action_clip(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.WARNING):
         strategy, result, seen, _ = _attack(
-            _payload(_with_scale(3e38)), {1, 2, 3}, scale_bound_action="clip"
+            _payload(_with_scale(1.7e38)), {1, 2, 3}, scale_bound_action="clip"
         )
     assert result.arrays is not None and all(_finite(a) for a in seen)
     assert strategy.clipped[VICTIM] == 3 and strategy.dropped == {} and not strategy.skipped
@@ -177,7 +190,8 @@ def test_without_the_bound_a_huge_model_is_adopted_but_nothing_non_finite(
 ) -> None:
     with caplog.at_level(logging.WARNING):
         strategy, result, seen, _ = _attack(
-            _payload(_with_scale(3e38)), {2}, scale_bound=0, downlink="delta"
+            _payload(_with_scale(3e38)), {2}, scale_bound=0, downlink="delta",
+            compressor="ternary-projected-base3",  # five levels: 3e38 is refused (below)
         )
     # the round-2 aggregate is finite but huge (3e38 / 4); the clients' next models are
     # not: their mods cannot encode them and send them plain, and the plain replies'

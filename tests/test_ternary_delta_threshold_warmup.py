@@ -26,6 +26,10 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
+#: The threshold ternary compressor whose cut the warm-up replaces (the default before).
+CUT = "ternary-projected-base3"
+
+
 def _run(**options: object) -> tuple[list[tuple[int, float | None]], dict[int, int]]:
     """Three rounds: (round, cut in META) per message; round -> non-zero codes sent up."""
     seen: list[tuple[int, float | None]] = []
@@ -46,7 +50,8 @@ def _run(**options: object) -> tuple[list[tuple[int, float | None]], dict[int, i
 
     grid = InlineGrid(_client_app([ternary_mod]), NODES, before=look, tamper=count)
     strategy = TernaryDelta(
-        _fedavg(fraction_evaluate=0.0), error_feedback=False, **options  # type: ignore[arg-type]
+        _fedavg(fraction_evaluate=0.0), error_feedback=False, compressor=CUT,
+        **options,  # type: ignore[arg-type]
     )
     strategy.start(
         grid=grid,
@@ -77,6 +82,9 @@ def test_a_cut_of_one_sends_almost_nothing() -> None:
 def test_settings_and_meta_are_checked() -> None:
     with pytest.raises(ValueError, match="threshold_warmup_rounds"):
         TernaryDelta(_fedavg(), threshold_warmup_rounds=-1)
+    # the default five-level compressor has no cut: a warm-up cut would be ignored, so refused
+    with pytest.raises(ValueError, match="threshold_warmup_rounds needs a compressor with a cut"):
+        TernaryDelta(_fedavg(), threshold_warmup_rounds=2)
     with pytest.raises(ValueError, match="warmup_threshold"):
         TernaryDelta(_fedavg(), threshold_warmup_rounds=2, warmup_threshold=1.5)
     content = RecordDict({"arrays": ArrayRecord(_net().state_dict())})

@@ -7,7 +7,7 @@ compressor's own checks (unknown name, bad ``scale_bucket``) and the downlink's
 
 from __future__ import annotations
 
-from fedddl.compression import make_compressor
+from fedddl.compression import TernaryCompressor, make_compressor
 from fedddl.flower.delta_broadcast import downlink_mode
 
 __all__ = ["check_settings"]
@@ -47,9 +47,14 @@ def check_settings(
         raise ValueError(f"downlink_steps must be >= 1, got {downlink_steps}")
     if not clip_sigma > 0:
         raise ValueError(f"clip_sigma must be > 0, got {clip_sigma}")
-    make_compressor(  # unknown name, bad scale_bucket: ValueError
+    built = make_compressor(  # unknown name, bad scale_bucket: ValueError
         compressor, seed=0, clip_sigma=clip_sigma, scale_bucket=scale_bucket
     )
+    if threshold_warmup_rounds and not isinstance(built, TernaryCompressor):
+        raise ValueError(
+            f"threshold_warmup_rounds needs a compressor with a cut (a threshold ternary one, "
+            f"e.g. 'ternary-projected-base3'); {compressor!r} has none"
+        )
     mode = downlink_mode(downlink, grid_levels, grid_log_size, resync_interval)
     if mode != "delta" and downlink_steps != 1:
         raise ValueError(

@@ -98,9 +98,12 @@ class TernaryDelta(Strategy):
         The wrapped strategy (FedAvg, FedProx, a DP wrapper, ...): it samples nodes,
         builds the messages and aggregates as usual.
     compressor : str
-        Registered compressor, up and down. The default, threshold ternary codes (cut 0.35)
-        with the scale that keeps each delta's length along itself, is contractive as error
-        feedback needs; ``"ternary-threshold-base3"`` (cut 0.5, clip scale) takes buckets.
+        Registered compressor, up and down. The default, five-level codes (7/3 bits a
+        value, 13.7x below float32) with the scale that keeps each delta's length along
+        itself, is contractive as error feedback needs and replays plain FedAvg's accuracy
+        from round 5 on (docs/results/dropin-accuracy.md); ``"ternary-projected-base3"``
+        (1.6 bits a value, 20x) lags about 2 points in the first rounds;
+        ``"ternary-threshold-base3"`` (cut 0.5, clip scale) takes buckets.
     clip_sigma : float
         Ternary clipping of each delta tensor, in standard deviations.
     error_feedback : bool
@@ -117,8 +120,10 @@ class TernaryDelta(Strategy):
         Global models' worth of encoded downlink deltas kept for nodes that missed rounds
         (``"delta"``).
     grid_levels, grid_log_size : int
-        ``"grid"``: a version's codes lie in ``[-grid_levels, grid_levels]`` (1 to 127);
-        versions kept for catch-ups (1 to 2**20).
+        ``"grid"``: a version's codes lie in ``[-grid_levels, grid_levels]`` (1 to 127;
+        the default 3 lets the broadcast model keep up with the global one in the first
+        rounds, for about 15 % more downlink bytes than 1); versions kept for catch-ups
+        (1 to 2**20).
     assume_mod : bool
         ``"grid"``: every node runs ``ternary_mod``, so a node's first message is already a
         grid message. By default a node gets the whole model until it has answered once
@@ -165,12 +170,12 @@ class TernaryDelta(Strategy):
         self,
         strategy: Strategy,
         *,
-        compressor: str = "ternary-projected-base3",
+        compressor: str = "quinary-projected-base5",
         clip_sigma: float = 2.5,
         error_feedback: bool = True,
         downlink: bool | str = "grid",
         update_log_size: int = 4,
-        grid_levels: int = 1,
+        grid_levels: int = 3,
         grid_log_size: int = 64,
         assume_mod: bool = False,
         resync_interval: int = 30,

@@ -33,6 +33,7 @@ from fedddl.compression import (
     IdentityCompressor,
     OpenedMessage,
     PayloadError,
+    QuinaryProjectedCompressor,
     TernaryCompressor,
     open_message,
 )
@@ -115,6 +116,8 @@ class PayloadSpec:
         if isinstance(compressor, TernaryCompressor):
             codecs, dense_below = frozenset({compressor.codec}), compressor.min_numel
             buckets = {n: bucket_of(s, compressor.scale_bucket) for n, s in shapes.items()}
+        elif isinstance(compressor, QuinaryProjectedCompressor):
+            codecs, dense_below = frozenset({"base5"}), compressor.min_numel
         elif isinstance(compressor, IdentityCompressor):
             codecs, dense_below = frozenset(), None
         else:  # a plug-in: its payload kinds are not known in advance
