@@ -380,3 +380,30 @@ def test_settings_are_checked() -> None:
         TernaryDelta(_fedavg(), compressor="nope")
     with pytest.raises(TypeError, match="Flower Strategy"):
         TernaryDelta(object())  # type: ignore[arg-type]
+
+
+def test_error_feedback_auto_is_off_for_strategies_that_do_not_average() -> None:
+    from flwr.serverapp.strategy import (
+        Bulyan,
+        DifferentialPrivacyServerSideFixedClipping,
+        FedAdam,
+        FedMedian,
+        FedTrimmedAvg,
+        Krum,
+        MultiKrum,
+    )
+
+    from fedddl.flower.error_feedback_choice import resolve_error_feedback
+
+    for robust in (FedMedian(), FedTrimmedAvg(), Krum(), MultiKrum(), Bulyan()):
+        assert TernaryDelta(robust).error_feedback is False
+        assert TernaryDelta(robust, error_feedback=True).error_feedback is True
+    assert TernaryDelta(FedAvg()).error_feedback is True
+    assert TernaryDelta(FedAdam()).error_feedback is True
+    inside_dp = DifferentialPrivacyServerSideFixedClipping(FedMedian(), 1.0, 1.0, 5)
+    assert resolve_error_feedback("auto", inside_dp) == (
+        False, "auto: FedMedian does not average every reply")
+    assert resolve_error_feedback("auto", DifferentialPrivacyServerSideFixedClipping(
+        FedAvg(), 1.0, 1.0, 5)) == (True, "auto")
+    with pytest.raises(ValueError, match="error_feedback must be True, False or 'auto'"):
+        TernaryDelta(FedAvg(), error_feedback="yes")

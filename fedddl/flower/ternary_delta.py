@@ -78,6 +78,7 @@ from fedddl.flower.delta_replies import (
 )
 from fedddl.flower.delta_settings import check_settings
 from fedddl.flower.delta_traffic import Traffic, TrafficLog, array_bytes, whole_model_reason
+from fedddl.flower.error_feedback_choice import resolve_error_feedback
 from fedddl.sync.direction import DirectionCheck
 from fedddl.sync.errors import PayloadRejected
 from fedddl.sync.messages import ClientReply, ParseFailure
@@ -98,17 +99,16 @@ class TernaryDelta(Strategy):
         The wrapped strategy (FedAvg, FedProx, a DP wrapper, ...): it samples nodes,
         builds the messages and aggregates as usual.
     compressor : str
-        Registered compressor, up and down. The default, five-level codes (7/3 bits a
-        value, 13.7x below float32) with the scale that keeps each delta's length along
-        itself, is contractive as error feedback needs and replays plain FedAvg's accuracy
-        from round 5 on (docs/results/dropin-accuracy.md); ``"ternary-projected-base3"``
-        (1.6 bits a value, 20x) lags about 2 points in the first rounds;
-        ``"ternary-threshold-base3"`` (cut 0.5, clip scale) takes buckets.
+        Registered compressor, up and down. The default: five levels a value (7/3 bits)
+        with the scale that keeps each delta's length along itself (contractive);
+        ``"ternary-threshold-base3"`` takes buckets (docs/results/dropin-accuracy.md).
     clip_sigma : float
         Ternary clipping of each delta tensor, in standard deviations.
-    error_feedback : bool
+    error_feedback : bool or "auto"
         Residual memory on each client for the uplink (what a delta could not carry is
-        sent later); the downlink corrects its error by construction.
+        sent later); the downlink corrects its error by construction. ``"auto"``: on unless
+        the wrapped strategy does not average every reply (FedMedian, FedTrimmedAvg, Krum,
+        ...: :mod:`fedddl.flower.error_feedback_choice`); resolved in ``.error_feedback``.
     downlink : bool or str
         ``"grid"`` (default): the broadcast model lives on an integer grid and every node
         that answered once with the mod gets one message of summed integer counts, never
@@ -120,10 +120,8 @@ class TernaryDelta(Strategy):
         Global models' worth of encoded downlink deltas kept for nodes that missed rounds
         (``"delta"``).
     grid_levels, grid_log_size : int
-        ``"grid"``: a version's codes lie in ``[-grid_levels, grid_levels]`` (1 to 127;
-        the default 3 lets the broadcast model keep up with the global one in the first
-        rounds, for about 15 % more downlink bytes than 1); versions kept for catch-ups
-        (1 to 2**20).
+        ``"grid"``: a version's codes lie in ``[-grid_levels, grid_levels]`` (1 to 127; 3
+        keeps up with the first rounds); versions kept for catch-ups (1 to 2**20).
     assume_mod : bool
         ``"grid"``: every node runs ``ternary_mod``, so a node's first message is already a
         grid message. By default a node gets the whole model until it has answered once
@@ -138,14 +136,11 @@ class TernaryDelta(Strategy):
         (no residual added or kept); from the next round on, ``error_feedback`` applies.
     threshold_warmup_rounds, warmup_threshold : int, float
         Rounds at the start whose replies' ternary deltas use the cut ``warmup_threshold``
-        (the fraction of the clipped scale a value must exceed to be sent, in [0, 1]; sent
-        to the nodes in :data:`META`) instead of the compressor's own; a lower cut carries
-        more of each update (longer early steps) at a larger error. 0: off (every round
-        uses the compressor's cut).
+        (in [0, 1], sent in :data:`META`) instead of the compressor's own (a threshold
+        ternary one: a compressor without a cut is refused). 0: off.
     downlink_steps : int
         ``"delta"``: ternary deltas that move the broadcast model towards each new global
-        model (each one of the gap that remains): more steps, a closer broadcast model,
-        that many times the bytes of a delta message.
+        model (each one of the gap that remains), that many times a delta message's bytes.
     scale_bound, scale_bound_action, scale_bound_rounds : float, str, int
         The bound on each reply's delta scales (:class:`~fedddl.sync.scale_bound.ScaleBound`:
         ``factor`` × the median of this round's and the last ``rounds`` rounds' scales;
@@ -172,7 +167,7 @@ class TernaryDelta(Strategy):
         *,
         compressor: str = "quinary-projected-base5",
         clip_sigma: float = 2.5,
-        error_feedback: bool = True,
+        error_feedback: bool | str = "auto",
         downlink: bool | str = "grid",
         update_log_size: int = 4,
         grid_levels: int = 3,
@@ -205,7 +200,8 @@ class TernaryDelta(Strategy):
         self.strategy = strategy
         self.compressor = compressor
         self.clip_sigma = float(clip_sigma)
-        self.error_feedback = error_feedback
+        feedback, self._feedback_reason = resolve_error_feedback(error_feedback, strategy)
+        self.error_feedback = feedback
         self.feedback_warmup_rounds = feedback_warmup_rounds
         self.threshold_warmup_rounds = threshold_warmup_rounds
         self.warmup_threshold = float(warmup_threshold)
@@ -213,7 +209,7 @@ class TernaryDelta(Strategy):
         self.update_log_size = update_log_size
         self.seed = seed
         self.broadcast = DeltaBroadcast(
-            compressor, clip_sigma, error_feedback, mode, update_log_size, seed,
+            compressor, clip_sigma, self.error_feedback, mode, update_log_size, seed,
             grid_levels=grid_levels, grid_log_size=grid_log_size, steps=downlink_steps,
             scale_bucket=scale_bucket,
         )  # fmt: skip
@@ -253,7 +249,7 @@ class TernaryDelta(Strategy):
             log(_INFO, "\t│\t├── Uplink cut: %g in rounds 1-%d, then the compressor's",
                 self.warmup_threshold, self.threshold_warmup_rounds)
         log(_INFO, "\t│\t├── Scale bound: %g (%s)", bound.factor, bound.action)
-        log(_INFO, "\t│\t└── Error feedback: %s", self.error_feedback)
+        log(_INFO, "\t│\t└── Error feedback: %s (%s)", self.error_feedback, self._feedback_reason)
         self.strategy.summary()
 
     # ------------------------------------------------------------------ rounds
