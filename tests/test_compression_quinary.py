@@ -214,3 +214,19 @@ def test_screened_as_five_level_codes_only() -> None:
     assert torch.equal(decoded["w"], decode_update(encode_update(g, compressor))["w"])
     with pytest.raises(PayloadRejected, match="codec 'base3'"):
         spec.check(encode_update(g, ProjectedTernaryCompressor()), 0)
+
+
+def test_checks_span_many_chunks_and_levels_out_of_range_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fedddl.compression.backends import base5
+
+    monkeypatch.setattr(base5, "_CHECK_BLOCKS", 2)  # 48 values a chunk
+    levels = _levels(1_000, 7)
+    packed = pack_base5(levels)
+    assert invalid_base5(packed, 1_000) is None
+    bad = packed.copy()
+    bad[-20] |= 0xFF  # a group in a late chunk reads 127
+    assert invalid_base5(bad, 1_000) == "invalid base-5 group (> 124)"
+    with pytest.raises(ValueError, match=r"levels must be in \[-2, 2\]"):
+        pack_base5(np.array([0, 3], dtype=np.int8))

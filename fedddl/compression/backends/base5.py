@@ -49,8 +49,16 @@ def packed_size_base5(numel: int) -> int:
 
 
 def pack_base5(levels: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    """Pack integer ``levels`` in ``[-2, 2]`` (1-D) into :func:`packed_size_base5` bytes."""
+    """Pack integer ``levels`` in ``[-2, 2]`` (1-D) into :func:`packed_size_base5` bytes.
+
+    Raises
+    ------
+    ValueError
+        If a level is outside ``[-2, 2]``.
+    """
     numel = levels.size
+    if numel and (int(levels.min()) < -2 or int(levels.max()) > 2):
+        raise ValueError(f"levels must be in [-2, 2], got {int(levels.min())}..{int(levels.max())}")
     blocks = -(-numel // BLOCK_VALUES)
     codes = np.zeros(blocks * BLOCK_VALUES, dtype=np.uint8)
     codes[:numel] = _CODE_OF_LEVEL[levels.astype(np.intp) + 2]
@@ -128,10 +136,9 @@ class Base5Gather:
         self.finish()
 
 
-def _group_numbers(source: np.ndarray[Any, Any], numel: int) -> np.ndarray[Any, Any]:
-    """Every group number of a message's ``base5`` bytes, ``ceil(numel / 3)`` of them."""
-    blocks = -(-numel // BLOCK_VALUES)
-    return _groups(source, blocks).reshape(-1)[: -(-numel // 3)]
+#: Blocks checked at once (about 2 MB of group numbers), so checking a large tensor needs
+#: little memory.
+_CHECK_BLOCKS = 1 << 15
 
 
 def invalid_base5(source: np.ndarray[Any, Any], numel: int) -> str | None:
@@ -142,13 +149,19 @@ def invalid_base5(source: np.ndarray[Any, Any], numel: int) -> str | None:
         return f"{source.size} code bytes for {numel} values (need {need})"
     if numel == 0:
         return None
-    groups = _group_numbers(source, numel)
-    if bool((groups > 124).any()):
-        return "invalid base-5 group (> 124)"
+    blocks, count = -(-numel // BLOCK_VALUES), -(-numel // 3)
+    last = 0
+    for start in range(0, blocks, _CHECK_BLOCKS):
+        stop = min(start + _CHECK_BLOCKS, blocks)
+        chunk = source[start * BLOCK_BYTES : stop * BLOCK_BYTES]
+        groups = _groups(chunk, stop - start).reshape(-1)[: count - start * _GROUPS]
+        if bool((groups > 124).any()):
+            return "invalid base-5 group (> 124)"
+        last = int(groups[-1])
     used = numel % 3
-    if used and int(groups[-1]) >= 5**used:
+    if used and last >= 5**used:
         return "non-zero padding in the last code group"
-    spare = 8 * need - 7 * groups.size
+    spare = 8 * need - 7 * count
     if spare and int(source[-1]) >> (8 - spare):
         return "non-zero padding in the last code byte"
     return None
