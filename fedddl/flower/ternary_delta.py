@@ -103,7 +103,7 @@ class TernaryDelta(Strategy):
         with the scale that keeps each delta's length along itself (contractive);
         ``"ternary-threshold-base3"`` takes buckets (docs/results/dropin-accuracy.md).
     clip_sigma : float
-        Ternary clipping of each delta tensor, in standard deviations.
+        Ternary compressors' clipping, in standard deviations (five levels clip at 2.5 RMS).
     error_feedback : bool or "auto"
         Residual memory on each client for the uplink (what a delta could not carry is
         sent later); the downlink corrects its error by construction. ``"auto"``: on unless
