@@ -35,7 +35,10 @@ from fedddl.compression import (
 )
 from fedddl.compression.algorithms.ternary_projected import ProjectedTernaryCompressor
 
-__all__ = ["StandIn", "register"]
+__all__ = ["KINDS", "StandIn", "register"]
+
+#: The stand-ins, each registered as ``standin-<kind>``.
+KINDS = ("quinary-projected", "quinary-ls", "ternary-twice")
 
 
 class StandIn(Compressor):
@@ -44,7 +47,7 @@ class StandIn(Compressor):
     configurable = True
 
     def __init__(self, kind: str, clip_sigma: float | None = 2.5, seed: int = 0) -> None:
-        if kind not in ("quinary-projected", "quinary-ls", "ternary-twice"):
+        if kind not in KINDS:
             raise ValueError(f"unknown stand-in {kind!r}")
         self.kind, self.clip_sigma, self.seed = kind, clip_sigma, seed
         self.name = f"standin-{kind}"
@@ -75,7 +78,7 @@ class StandIn(Compressor):
 
 def register() -> None:
     """Register the three stand-ins (again, if they are)."""
-    for kind in ("quinary-projected", "quinary-ls", "ternary-twice"):
+    for kind in KINDS:
 
         def factory(kind: str = kind, **kwargs: Any) -> Compressor:
             return StandIn(kind, **kwargs)

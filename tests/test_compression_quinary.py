@@ -216,15 +216,18 @@ def test_screened_as_five_level_codes_only() -> None:
         spec.check(encode_update(g, ProjectedTernaryCompressor()), 0)
 
 
-def test_checks_span_many_chunks_and_levels_out_of_range_are_refused(
+def test_decoding_and_checks_span_many_chunks_and_levels_out_of_range_are_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from fedddl.compression.backends import base5
 
-    monkeypatch.setattr(base5, "_CHECK_BLOCKS", 2)  # 48 values a chunk
+    monkeypatch.setattr(base5, "_CHUNK_BLOCKS", 2)  # 48 values a chunk
     levels = _levels(1_000, 7)
     packed = pack_base5(levels)
     assert invalid_base5(packed, 1_000) is None
+    out = np.empty(1_000, dtype=np.float32)
+    unpack_base5(packed, 1_000, 1.0, out)  # decoded in the same chunks
+    assert np.array_equal(out, levels.astype(np.float32))
     bad = packed.copy()
     bad[-20] |= 0xFF  # a group in a late chunk reads 127
     assert invalid_base5(bad, 1_000) == "invalid base-5 group (> 124)"

@@ -60,7 +60,7 @@ class Recode(Compressor):
         flat = tensor.detach().reshape(-1)
         codec, bucket, per_bucket = next(self._codecs)
         if codec == "base5":
-            levels = flat.to(torch.float64).round().clamp(-2, 2).to(torch.int8).numpy()
+            levels = code_values(flat, 1.0, codec).to(torch.int8).numpy()
             packed5 = torch.from_numpy(pack_base5(levels))
             return TernaryPayload(packed5, scale, flat.numel(), codec), ctx
         codes = torch.full(flat.shape, CODE_ZERO, dtype=torch.uint8)

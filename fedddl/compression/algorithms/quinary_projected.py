@@ -17,7 +17,7 @@ from fedddl.compression.algorithms.payload import (
     check_float_tensor,
 )
 from fedddl.compression.algorithms.ternary_projected import PROJECTION_CAP
-from fedddl.compression.backends.base5 import MAX_BASE5_SCALE, pack_base5
+from fedddl.compression.backends.base5 import pack_base5
 
 __all__ = ["QuinaryProjectedCompressor"]
 
@@ -92,7 +92,8 @@ class QuinaryProjectedCompressor(Compressor):
         return TernaryPayload(codes, fitted, flat.size, "base5"), ctx
 
     def levels(self, values: np.ndarray) -> tuple[np.ndarray, float]:
-        """The levels (int8, ``-2..2``) of float64 ``values`` and their float32 scale."""
+        """The levels (int8, ``-2..2``) of float64 ``values`` and their float32 scale
+        (:class:`~fedddl.compression.TernaryPayload` refuses one past ``MAX_BASE5_SCALE``)."""
         energy = float(np.dot(values, values))
         if energy == 0.0 or values.size == 0:
             return np.zeros(values.size, dtype=np.int8), 0.0
@@ -103,7 +104,4 @@ class QuinaryProjectedCompressor(Compressor):
         if carried <= 0.0 or weight == 0.0:
             return np.zeros(values.size, dtype=np.int8), 0.0
         fitted = min(energy / carried, PROJECTION_CAP * carried / weight)
-        scale = float(np.float32(fitted))
-        if not scale <= MAX_BASE5_SCALE:
-            raise ValueError(f"scale {fitted:.3g}: level 2 would not fit a float32")
-        return levels, scale
+        return levels, float(np.float32(fitted))

@@ -11,6 +11,7 @@ blocks, read as one little-endian word each.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -34,6 +35,10 @@ BLOCK_VALUES = 24
 #: with a larger one is refused: a valid message decodes to finite values).
 MAX_BASE5_SCALE = float(np.finfo(np.float32).max) / 2
 _GROUPS = 8  # groups of 3 values per block
+#: Blocks read at once when decoding or checking (about 1 MB of group numbers), so a large
+#: tensor needs little scratch memory.
+_CHUNK_BLOCKS = 1 << 14
+_PAGE = 4096
 _SHIFTS = np.arange(_GROUPS, dtype=np.uint64) * np.uint64(7)
 #: The value of each code, and of each group number (rows of 3; invalid numbers decode to 0).
 _VALUE_OF_CODE = np.array([0.0, 1.0, -1.0, 2.0, -2.0], dtype=np.float32)
@@ -86,6 +91,16 @@ def _groups(source: np.ndarray[Any, Any], blocks: int) -> np.ndarray[Any, Any]:
     return ((words >> _SHIFTS) & np.uint64(127)).astype(np.intp)
 
 
+def _chunks(
+    source: np.ndarray[Any, Any], lo: int, hi: int
+) -> Iterator[tuple[int, np.ndarray[Any, Any]]]:
+    """``(first block, its group numbers)`` of blocks ``lo .. hi`` of ``source``, in chunks
+    of :data:`_CHUNK_BLOCKS` blocks (the one walk that decoding and checking share)."""
+    for start in range(lo, hi, _CHUNK_BLOCKS):
+        stop = min(start + _CHUNK_BLOCKS, hi)
+        yield start, _groups(source[start * BLOCK_BYTES : stop * BLOCK_BYTES], stop - start)
+
+
 def unpack_base5(
     source: np.ndarray[Any, Any], numel: int, scale: float, target: np.ndarray[Any, Any]
 ) -> None:
@@ -111,12 +126,9 @@ class Base5Gather:
     def run(self, lo: int, hi: int, kernels: ModuleType | None = None) -> None:
         """Decode whole blocks ``lo .. hi`` (numpy; compiled kernels are not used)."""
         del kernels
-        step = 1 << 14
-        for start in range(lo, hi, step):
-            stop = min(start + step, hi)
-            chunk = self.source[start * BLOCK_BYTES : stop * BLOCK_BYTES]
-            values = self.table[_groups(chunk, stop - start)]
-            self.target[start * BLOCK_VALUES : stop * BLOCK_VALUES] = values.reshape(-1)
+        for start, groups in _chunks(self.source, lo, hi):
+            values = self.table[groups].reshape(-1)
+            self.target[start * BLOCK_VALUES : start * BLOCK_VALUES + values.size] = values
 
     def finish(self) -> None:
         """Decode the values after the last whole block, if any."""
@@ -128,17 +140,12 @@ class Base5Gather:
 
     def touch(self, lo: int, hi: int) -> None:
         """Write one byte of every 4 KiB page that decoding blocks ``lo .. hi`` will fill."""
-        self.target[lo * BLOCK_VALUES : hi * BLOCK_VALUES].view(np.uint8)[::4096] = 0
+        self.target[lo * BLOCK_VALUES : hi * BLOCK_VALUES].view(np.uint8)[::_PAGE] = 0
 
     def run_all(self) -> None:
         """Decode every value on the calling thread."""
         self.run(0, self.whole)
         self.finish()
-
-
-#: Blocks checked at once (about 2 MB of group numbers), so checking a large tensor needs
-#: little memory.
-_CHECK_BLOCKS = 1 << 15
 
 
 def invalid_base5(source: np.ndarray[Any, Any], numel: int) -> str | None:
@@ -151,10 +158,8 @@ def invalid_base5(source: np.ndarray[Any, Any], numel: int) -> str | None:
         return None
     blocks, count = -(-numel // BLOCK_VALUES), -(-numel // 3)
     last = 0
-    for start in range(0, blocks, _CHECK_BLOCKS):
-        stop = min(start + _CHECK_BLOCKS, blocks)
-        chunk = source[start * BLOCK_BYTES : stop * BLOCK_BYTES]
-        groups = _groups(chunk, stop - start).reshape(-1)[: count - start * _GROUPS]
+    for start, chunk in _chunks(source, 0, blocks):
+        groups = chunk.reshape(-1)[: count - start * _GROUPS]
         if bool((groups > 124).any()):
             return "invalid base-5 group (> 124)"
         last = int(groups[-1])

@@ -198,9 +198,9 @@ def decode_layout(
             new_items.append(item)
             new_entries.append(entry)
             result[name] = raw  # placeholder, keeps the message order
-        elif kind == KIND_BASE5 and not _is_direct_target(target, torch.float32):
-            result[name] = _decode_entry(raw, entry, target)  # on the CPU, then copied
-        elif unpacks_on_device(target):  # off the CPU: packed bytes go there, unpacked there
+        # off the CPU: packed bytes go there, unpacked there (base5 codes have no device
+        # kernel: decoded on the CPU and copied in, by the last branch)
+        elif unpacks_on_device(target) and kind != KIND_BASE5:
             on_device.append((*item, target))
             result[name] = target
         elif _is_direct_target(target, torch.float32):
