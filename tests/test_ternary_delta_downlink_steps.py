@@ -1,5 +1,6 @@
 """``TernaryDelta(downlink_steps=k)``: k ternary deltas towards each new global model;
-``TernaryDelta(feedback_warmup_rounds=n)``: no uplink error feedback in the first n rounds.
+``TernaryDelta(feedback_warmup_rounds=n)``: no uplink error feedback in the first n rounds;
+``TernaryDelta(feedback_until_round=n)``: none after round n.
 
 In-process (InlineGrid), a tiny model, FedAvg. Checked: the clients apply every step and
 hold the server's broadcast model bit for bit; each new global model adds k versions; the
@@ -96,3 +97,37 @@ def test_feedback_warmup_rounds_send_the_first_replies_without_residuals() -> No
     assert {r: held for r, _, held in seen} == {1: False, 2: False, 3: False, 4: True}
     with pytest.raises(ValueError, match="feedback_warmup_rounds"):
         TernaryDelta(_fedavg(), feedback_warmup_rounds=-1)
+
+
+def test_feedback_ends_after_feedback_until_round_and_the_residual_is_dropped() -> None:
+    seen: list[tuple[int, bool, bool]] = []
+
+    def look(message: Message, context: Context) -> None:
+        rnd = int(message.content["config"]["server-round"])  # type: ignore[index, arg-type]
+        broadcast = parse_broadcast(message.content)
+        seen.append((rnd, broadcast.error_feedback, STATE_RESIDUAL in context.state))
+
+    grid = InlineGrid(_client_app([ternary_mod]), NODES, before=look)
+    strategy = TernaryDelta(_fedavg(fraction_evaluate=0.0), feedback_until_round=2)
+    strategy.start(
+        grid=grid,
+        initial_arrays=ArrayRecord(_net().state_dict()),
+        num_rounds=4,
+        train_config=ConfigRecord({}),
+    )
+    assert strategy.dropped == {}
+    assert {(r, feedback) for r, feedback, _ in seen} == {
+        (1, True), (2, True), (3, False), (4, False)
+    }  # fmt: skip
+    # round 3 still finds round 2's residual; its reply drops it, so round 4 finds none
+    assert {r: held for r, _, held in seen} == {1: False, 2: True, 3: True, 4: False}
+    assert all(STATE_RESIDUAL not in context.state for context in grid.contexts.values())
+    with pytest.raises(ValueError, match="feedback_until_round"):
+        TernaryDelta(_fedavg(), feedback_until_round=-1)
+
+
+def test_feedback_in_round() -> None:
+    from fedddl.flower.error_feedback_choice import feedback_in_round
+
+    assert [feedback_in_round(r, 1, 3) for r in range(1, 6)] == [False, True, True, False, False]
+    assert all(feedback_in_round(r, 0, 0) for r in (1, 50, 10_000))

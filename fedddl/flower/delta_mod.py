@@ -14,8 +14,9 @@ that the wrapper compressed (:mod:`fedddl.flower.delta_protocol`), the mod
    applying one count message: :mod:`fedddl.flower.delta_grid_mod`), checks its digest, and
    hands the app the message as the strategy built it, with the whole model;
 2. encodes the app's reply model as ``reply - broadcast model`` with the ternary
-   compressor the server names and error feedback (the residual is kept in
-   ``context.state``), when the reply carries an ArrayRecord shaped like the model.
+   compressor the server names and error feedback when the server asks for it (the
+   residual is kept in ``context.state``, and dropped once the server stops asking), when
+   the reply carries an ArrayRecord shaped like the model.
 
 A message without the wrapper's record, and a reply without such a model, pass through
 unchanged. A reply model of another float dtype than the broadcast model (float64 from a
@@ -216,6 +217,8 @@ def _compress_reply(
         if broadcast.error_feedback
         else None
     )
+    if memory is None and STATE_RESIDUAL in ctxt.state:  # error feedback has ended
+        del ctxt.state[STATE_RESIDUAL]
     seed = derive_seed(broadcast.seed, ctxt.node_id, broadcast.version)
     try:
         compressor = make_compressor(

@@ -24,6 +24,7 @@ def check_settings(
     resync_interval: int,
     downlink_steps: int,
     feedback_warmup_rounds: int,
+    feedback_until_round: int,
     threshold_warmup_rounds: int,
     warmup_threshold: float,
     scale_bucket: int,
@@ -39,6 +40,8 @@ def check_settings(
         raise ValueError(f"update_log_size must be >= 0, got {update_log_size}")
     if feedback_warmup_rounds < 0:
         raise ValueError(f"feedback_warmup_rounds must be >= 0, got {feedback_warmup_rounds}")
+    if feedback_until_round < 0:
+        raise ValueError(f"feedback_until_round must be >= 0, got {feedback_until_round}")
     if threshold_warmup_rounds < 0:
         raise ValueError(f"threshold_warmup_rounds must be >= 0, got {threshold_warmup_rounds}")
     if not 0.0 <= warmup_threshold <= 1.0:

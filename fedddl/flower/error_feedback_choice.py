@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from flwr.serverapp.strategy import Bulyan, FedMedian, FedTrimmedAvg, MultiKrum, Strategy
 
-__all__ = ["NOT_AVERAGING", "resolve_error_feedback"]
+__all__ = ["NOT_AVERAGING", "feedback_in_round", "resolve_error_feedback"]
 
 #: Flower's strategies whose aggregate is not a weighted mean of every reply (Krum is a
 #: MultiKrum).
@@ -45,3 +45,9 @@ def resolve_error_feedback(setting: bool | str, strategy: Strategy) -> tuple[boo
         if not isinstance(inner, Strategy):
             break
     return True, "auto"
+
+
+def feedback_in_round(server_round: int, warmup_rounds: int, until_round: int) -> bool:
+    """Whether error feedback (when on) applies to ``server_round``'s replies: after the
+    ``warmup_rounds`` first rounds and up to ``until_round`` (0: no end)."""
+    return server_round > warmup_rounds and (not until_round or server_round <= until_round)

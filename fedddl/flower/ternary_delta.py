@@ -14,25 +14,21 @@ Wrap any Flower :class:`~flwr.serverapp.strategy.Strategy`; add
 (what one step could not carry goes with the next). By default (``downlink="grid"``,
 :mod:`fedddl.flower.delta_grid`) the broadcast model lives on an integer grid and a node
 that has answered once with the mod gets one message of summed integer counts, whatever it
-missed; its first message is the whole model, which a node without the mod can read. With
-``downlink="delta"`` the steps are ternary deltas: a node that holds a version still in the
-log (``update_log_size``) gets only the deltas it misses; a new node, one further behind
-or one whose last reply failed gets the whole broadcast model. Resyncs a node causes are
-rate-limited (``resync_interval``).
+missed; its first message is the whole model. With ``downlink="delta"`` a node that holds a
+version still in the log gets the ternary deltas it misses, others the whole model. Resyncs
+a node causes are rate-limited (``resync_interval``).
 
 **Uplink.** The mod encodes each reply's model as ``reply - broadcast model`` (with a
 client-side residual memory for error feedback); the wrapper decodes it and adds it to
 the *exact* global model the wrapped strategy handed out, so the wrapped strategy sees
-replies as if the clients had trained from its own model, and no downlink error
-accumulates in the global model.
+replies as if the clients had trained from its own model (no downlink error accumulates).
 
 **Untrusted replies.** Compressed replies pass TernGrad's admission pipeline
-(:mod:`fedddl.flower.delta_admission`: version, payload header before any value is decoded,
-scale bound, finiteness, direction check); a plain reply must have the sent model's layout
-and finite values. A reply that fails becomes an error reply naming the node and the reason
-(the wrapped strategy counts it as a failure). An aggregate that is not finite is not
-adopted. The wrapper never raises on a reply. Nodes without the mod get the wrapped
-strategy's messages unchanged after their first reply, as do messages without a model.
+(:mod:`fedddl.flower.delta_admission`); a plain reply must have the sent model's layout
+and finite values. A reply that fails becomes an error reply naming the node and the reason.
+An aggregate that is not finite is not adopted. The wrapper never raises on a reply.
+Nodes without the mod get the wrapped strategy's messages unchanged after their first
+reply, as do messages without a model.
 
 **Dtypes and notices.** Float16/32/64 arrays are compressed whatever dtype the wrapped
 strategy returns (uplink deltas in float32, restored in the app's dtype); other arrays
@@ -61,13 +57,7 @@ from fedddl.flower.delta_admission import (
 )
 from fedddl.flower.delta_broadcast import DeltaBroadcast
 from fedddl.flower.delta_grid_protocol import GRID
-from fedddl.flower.delta_protocol import (
-    DELTA,
-    META,
-    UPDATES,
-    UPLINK_DTYPE,
-    join_model,
-)
+from fedddl.flower.delta_protocol import DELTA, META, UPDATES, UPLINK_DTYPE, join_model
 from fedddl.flower.delta_replies import (
     error_reply,
     fault_kind,
@@ -78,7 +68,7 @@ from fedddl.flower.delta_replies import (
 )
 from fedddl.flower.delta_settings import check_settings
 from fedddl.flower.delta_traffic import Traffic, TrafficLog, array_bytes, whole_model_reason
-from fedddl.flower.error_feedback_choice import resolve_error_feedback
+from fedddl.flower.error_feedback_choice import feedback_in_round, resolve_error_feedback
 from fedddl.sync.direction import DirectionCheck
 from fedddl.sync.errors import PayloadRejected
 from fedddl.sync.messages import ClientReply, ParseFailure
@@ -131,9 +121,11 @@ class TernaryDelta(Strategy):
         refused reply, another version) is resynced at most once every this many rounds,
         doubling while it keeps failing (:class:`~fedddl.sync.resync_limit.ResyncLimiter`;
         0: no limit).
-    feedback_warmup_rounds : int
-        Rounds at the start whose replies are sent without the uplink's error feedback
-        (no residual added or kept); from the next round on, ``error_feedback`` applies.
+    feedback_warmup_rounds, feedback_until_round : int
+        ``error_feedback`` applies to the replies of rounds ``feedback_warmup_rounds + 1``
+        to ``feedback_until_round`` (0: to the end); outside them no residual is added or
+        kept. It speeds the first rounds and keeps the grid's counts small; later it cost
+        FedAvg accuracy (docs/results/dropin-accuracy.md, ninth round).
     threshold_warmup_rounds, warmup_threshold : int, float
         Rounds at the start whose replies' ternary deltas use the cut ``warmup_threshold``
         (in [0, 1], sent in :data:`META`) instead of the compressor's own (a threshold
@@ -180,6 +172,7 @@ class TernaryDelta(Strategy):
         seed: int = 0,
         downlink_steps: int = 1,
         feedback_warmup_rounds: int = 0,
+        feedback_until_round: int = 20,
         threshold_warmup_rounds: int = 0,
         warmup_threshold: float = 0.35,
         scale_bucket: int = 0,
@@ -193,6 +186,7 @@ class TernaryDelta(Strategy):
             update_log_size=update_log_size, grid_levels=grid_levels,
             grid_log_size=grid_log_size, resync_interval=resync_interval,
             downlink_steps=downlink_steps, feedback_warmup_rounds=feedback_warmup_rounds,
+            feedback_until_round=feedback_until_round,
             threshold_warmup_rounds=threshold_warmup_rounds,
             warmup_threshold=warmup_threshold, scale_bucket=scale_bucket,
         )  # fmt: skip
@@ -203,6 +197,7 @@ class TernaryDelta(Strategy):
         feedback, self._feedback_reason = resolve_error_feedback(error_feedback, strategy)
         self.error_feedback = feedback
         self.feedback_warmup_rounds = feedback_warmup_rounds
+        self.feedback_until_round = feedback_until_round
         self.threshold_warmup_rounds = threshold_warmup_rounds
         self.warmup_threshold = float(warmup_threshold)
         self.downlink = mode
@@ -249,7 +244,10 @@ class TernaryDelta(Strategy):
             log(_INFO, "\t│\t├── Uplink cut: %g in rounds 1-%d, then the compressor's",
                 self.warmup_threshold, self.threshold_warmup_rounds)
         log(_INFO, "\t│\t├── Scale bound: %g (%s)", bound.factor, bound.action)
-        log(_INFO, "\t│\t└── Error feedback: %s (%s)", self.error_feedback, self._feedback_reason)
+        first, until = self.feedback_warmup_rounds + 1, self.feedback_until_round or "end"
+        rounds = f", rounds {first}-{until}" if self.error_feedback else ""
+        log(_INFO, "\t│\t└── Error feedback: %s (%s)%s", self.error_feedback,
+            self._feedback_reason, rounds)
         self.strategy.summary()
 
     # ------------------------------------------------------------------ rounds
@@ -311,8 +309,9 @@ class TernaryDelta(Strategy):
 
     def _feedback_for(self, server_round: int) -> None:
         """The uplink's error feedback setting and cut that this round's messages carry."""
-        warm = server_round > self.feedback_warmup_rounds
-        self.broadcast.error_feedback = self.error_feedback and warm
+        self.broadcast.error_feedback = self.error_feedback and feedback_in_round(
+            server_round, self.feedback_warmup_rounds, self.feedback_until_round
+        )
         early = server_round <= self.threshold_warmup_rounds
         self.broadcast.threshold = self.warmup_threshold if early else None
 
