@@ -16,6 +16,7 @@ FedAvg's at the same fraction (total and down), the final accuracy and the runti
 from __future__ import annotations
 
 import argparse
+import random
 import time
 from typing import Any
 
@@ -56,6 +57,7 @@ def _run(
     )
     app = make_delta_client_app(cfg) if delta else make_client_app(cfg)
     grid = InlineGrid(app, args.clients)
+    random.seed(seed)  # Flower samples nodes with the random module: the same draws per seed
     return run_server(grid, cfg, progress=lambda _: None)
 
 
