@@ -5,8 +5,10 @@ variant, pairs every seed's run with the plain run of the same seed and prints t
 difference (points) ± its standard error over seeds at rounds 5, 15 and 50 and over the
 windows 4-6, 13-15 and 46-50 (a window's mean per seed, then over seeds), where the runs are
 that long. A run is paired only with a plain run of the same settings
-(:data:`simulations.bench_dropin_accuracy.SAME_SETTINGS`, as ``--baseline`` does). A file
-named ``plain:PATH`` contributes only its plain runs (earlier baselines).
+(:data:`simulations.bench_dropin_accuracy.SAME_SETTINGS`, as ``--baseline`` does), and runs
+of other settings are summed up apart, their line naming the settings that differ from the
+most common ones (e.g. ``[fraction=1.0]``). A file named ``plain:PATH`` contributes only its
+plain runs (earlier baselines).
 
     python -m simulations.dropin_seed_summary plain:docs/results/dropin-accuracy/diag1.json \\
         docs/results/dropin-accuracy/projected-e1-s012.json
@@ -18,6 +20,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +45,13 @@ def load(paths: list[str]) -> list[dict[str, Any]]:
     return runs
 
 
-Differences = dict[tuple[str, int, str], dict[int, dict[int, float]]]
+Settings = tuple[Any, ...]
+Differences = dict[tuple[str, int, str, Settings], dict[int, dict[int, float]]]
 
 
 def differences(runs: list[dict[str, Any]]) -> Differences:
-    """(strategy, epochs, variant) -> seed -> round -> accuracy minus that of the plain run of
-    the same seed and settings (the last run read of a seed and variant wins)."""
+    """(strategy, epochs, variant, settings) -> seed -> round -> accuracy minus that of the
+    plain run of the same seed and settings (the last run read of a seed and variant wins)."""
     def key(run: dict[str, Any]) -> tuple[Any, ...]:
         return run["strategy"], run["epochs"], run["seed"], run["settings"]
 
@@ -58,16 +62,24 @@ def differences(runs: list[dict[str, Any]]) -> Differences:
         base = plain.get(key(run))
         if run["variant"] == "plain" or base is None:
             continue
-        out.setdefault((run["strategy"], run["epochs"], run["variant"]), {})[run["seed"]] = {
+        group = run["strategy"], run["epochs"], run["variant"], run["settings"]
+        out.setdefault(group, {})[run["seed"]] = {
             r["round"]: r["accuracy"] - base[r["round"]] for r in run["rounds"]
             if r["round"] in base}
     return out
 
 
 def summary_lines(diffs: Differences) -> list[str]:
-    """One line per (strategy, epochs, variant): seeds, then ``column mean±se`` in points."""
+    """One line per (strategy, epochs, variant, settings): seeds, then ``column mean±se`` in
+    points; settings other than the most common ones are named after the variant."""
+    common = Counter(group[3] for group in diffs).most_common(1)
+    usual: Settings = common[0][0] if common else ()
     lines = []
-    for (strategy, epochs, variant), seeds in sorted(diffs.items()):
+    for (strategy, epochs, variant, settings), seeds in sorted(diffs.items(), key=repr):
+        named = zip(SAME_SETTINGS, settings, usual, strict=True)
+        other = [f"{k}={v}" for k, v, u in named if v != u]
+        if other:
+            variant = f"{variant} [{', '.join(other)}]"
         cells = []
         for label, first, last in COLUMNS:
             if not all(all(r in d for r in range(first, last + 1)) for d in seeds.values()):

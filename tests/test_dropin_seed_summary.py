@@ -30,8 +30,25 @@ def test_pairs_each_seed_with_its_plain_run_and_averages_windows(tmp_path: Path)
                  f"plain:{tmp_path / 'c.json'}"])
     assert len(runs) == 5  # the plain: file's dropin run is left out
     diffs = differences(runs)
-    assert diffs["fedavg", 1, "dropin"][0][5] == pytest.approx(-0.03)
+    group = ("fedavg", 1, "dropin", tuple(settings.values()))
+    assert diffs[group][0][5] == pytest.approx(-0.03)
     (line,) = summary_lines(diffs)
     # round 5: -3 and -1 points; rounds 4-6: -2 and 0; no round 50 in 16 rounds
     assert line.startswith("fedavg E1 dropin seeds=[0, 1]: r5 -2.00±1.00 r4-6 -1.00±1.00 r15 +0.00")
     assert "r50" not in line
+
+
+def test_runs_of_other_settings_are_summed_up_apart(tmp_path: Path) -> None:
+    settings = {"clients": 10, "fraction": 0.5, "samples": 1000, "test_samples": 2000, "lr": 0.01}
+    full = {**settings, "fraction": 1.0}
+    for name, args, drop in (("a", settings, 0.08), ("b", settings, 0.09), ("c", full, 0.11)):
+        runs = [_run("plain", 0, [0.1] * 6), _run("dropin", 0, [0.1] * 5 + [drop])]
+        if name == "b":  # a second seed of the usual settings
+            runs = [{**r, "seed": 1} for r in runs]
+        (tmp_path / f"{name}.json").write_text(json.dumps({"args": args, "results": runs}))
+    lines = summary_lines(differences(load([str(tmp_path / f"{n}.json") for n in "abc"])))
+    assert len(lines) == 2
+    usual = next(line for line in lines if "fraction" not in line)
+    other = next(line for line in lines if "[fraction=1.0]" in line)
+    assert usual.startswith("fedavg E1 dropin seeds=[0, 1]: r5 -1.50±0.50")
+    assert other.startswith("fedavg E1 dropin [fraction=1.0] seeds=[0]: r5 +1.00±0.00")
