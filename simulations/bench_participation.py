@@ -8,7 +8,8 @@ of ``--grid-levels``, by default and with ``assume_mod`` ("all mod"); clients wi
 ``ternary_mod``: :mod:`simulations.ternary_delta_app`), on
 the inline engine (:mod:`fedddl.flower.inline_grid`), every other setting at its default.
 It prints per run the mean bytes up and down a round after round 5, their ratios to
-FedAvg's at the same fraction (total and down), the final accuracy and the runtime.
+FedAvg's at the same fraction (total and down), the final accuracy and the runtime. Every
+run of a seed draws the same nodes (Flower's sampling uses :mod:`random`, seeded per run).
 
     python -m simulations.bench_participation
 """
