@@ -73,7 +73,9 @@ def test_settings_are_checked() -> None:
         TernaryDelta(_fedavg(), downlink="grid", downlink_steps=2)
 
 
-def test_feedback_warmup_rounds_send_the_first_replies_without_residuals() -> None:
+def _feedback_seen(**settings: int) -> tuple[InlineGrid, list[tuple[int, bool, bool]]]:
+    """Four rounds of ``TernaryDelta(FedAvg, **settings)``; per message: its round, whether it
+    asks for error feedback, whether the node held a residual when it arrived."""
     seen: list[tuple[int, bool, bool]] = []
 
     def look(message: Message, context: Context) -> None:
@@ -82,7 +84,7 @@ def test_feedback_warmup_rounds_send_the_first_replies_without_residuals() -> No
         seen.append((rnd, broadcast.error_feedback, STATE_RESIDUAL in context.state))
 
     grid = InlineGrid(_client_app([ternary_mod]), NODES, before=look)
-    strategy = TernaryDelta(_fedavg(fraction_evaluate=0.0), feedback_warmup_rounds=2)
+    strategy = TernaryDelta(_fedavg(fraction_evaluate=0.0), **settings)  # type: ignore[arg-type]
     strategy.start(
         grid=grid,
         initial_arrays=ArrayRecord(_net().state_dict()),
@@ -90,6 +92,11 @@ def test_feedback_warmup_rounds_send_the_first_replies_without_residuals() -> No
         train_config=ConfigRecord({}),
     )
     assert strategy.dropped == {}
+    return grid, seen
+
+
+def test_feedback_warmup_rounds_send_the_first_replies_without_residuals() -> None:
+    _, seen = _feedback_seen(feedback_warmup_rounds=2)
     assert {(r, feedback) for r, feedback, _ in seen} == {
         (1, False), (2, False), (3, True), (4, True)
     }  # fmt: skip
@@ -100,22 +107,7 @@ def test_feedback_warmup_rounds_send_the_first_replies_without_residuals() -> No
 
 
 def test_feedback_ends_after_feedback_until_round_and_the_residual_is_dropped() -> None:
-    seen: list[tuple[int, bool, bool]] = []
-
-    def look(message: Message, context: Context) -> None:
-        rnd = int(message.content["config"]["server-round"])  # type: ignore[index, arg-type]
-        broadcast = parse_broadcast(message.content)
-        seen.append((rnd, broadcast.error_feedback, STATE_RESIDUAL in context.state))
-
-    grid = InlineGrid(_client_app([ternary_mod]), NODES, before=look)
-    strategy = TernaryDelta(_fedavg(fraction_evaluate=0.0), feedback_until_round=2)
-    strategy.start(
-        grid=grid,
-        initial_arrays=ArrayRecord(_net().state_dict()),
-        num_rounds=4,
-        train_config=ConfigRecord({}),
-    )
-    assert strategy.dropped == {}
+    grid, seen = _feedback_seen(feedback_until_round=2)
     assert {(r, feedback) for r, feedback, _ in seen} == {
         (1, True), (2, True), (3, False), (4, False)
     }  # fmt: skip
