@@ -116,10 +116,22 @@ def test_feedback_ends_after_feedback_until_round_and_the_residual_is_dropped() 
     assert all(STATE_RESIDUAL not in context.state for context in grid.contexts.values())
     with pytest.raises(ValueError, match="feedback_until_round"):
         TernaryDelta(_fedavg(), feedback_until_round=-1)
+    with pytest.raises(ValueError, match="would apply to no round"):
+        TernaryDelta(_fedavg(), feedback_warmup_rounds=30)  # the window ends at round 20
+    TernaryDelta(_fedavg(), feedback_warmup_rounds=30, feedback_until_round=0)
+    TernaryDelta(_fedavg(), feedback_warmup_rounds=30, error_feedback=False)
 
 
-def test_feedback_in_round() -> None:
-    from fedddl.flower.error_feedback_choice import feedback_in_round
+def test_feedback_window() -> None:
+    from fedddl.flower.error_feedback_choice import FeedbackWindow
 
-    assert [feedback_in_round(r, 1, 3) for r in range(1, 6)] == [False, True, True, False, False]
-    assert all(feedback_in_round(r, 0, 0) for r in (1, 50, 10_000))
+    window = FeedbackWindow(True, "auto", 1, 3)
+    assert [window.applies(r) for r in range(1, 6)] == [False, True, True, False, False]
+    assert str(window) == "True (auto), rounds 2-3"
+    to_the_end = FeedbackWindow(True)
+    assert all(to_the_end.applies(r) for r in (1, 50, 10_000))
+    assert str(to_the_end) == "True (set), rounds 1-end"
+    off = FeedbackWindow(False, "auto: FedMedian does not average every reply", 30, 20)
+    assert not any(off.applies(r) for r in range(1, 40)) and str(off).startswith("False (auto:")
+    with pytest.raises(ValueError, match="would apply to no round"):
+        FeedbackWindow(True, "set", 3, 3)

@@ -23,8 +23,6 @@ def check_settings(
     grid_log_size: int,
     resync_interval: int,
     downlink_steps: int,
-    feedback_warmup_rounds: int,
-    feedback_until_round: int,
     threshold_warmup_rounds: int,
     warmup_threshold: float,
     scale_bucket: int,
@@ -38,10 +36,6 @@ def check_settings(
     """
     if update_log_size < 0:
         raise ValueError(f"update_log_size must be >= 0, got {update_log_size}")
-    if feedback_warmup_rounds < 0:
-        raise ValueError(f"feedback_warmup_rounds must be >= 0, got {feedback_warmup_rounds}")
-    if feedback_until_round < 0:
-        raise ValueError(f"feedback_until_round must be >= 0, got {feedback_until_round}")
     if threshold_warmup_rounds < 0:
         raise ValueError(f"threshold_warmup_rounds must be >= 0, got {threshold_warmup_rounds}")
     if not 0.0 <= warmup_threshold <= 1.0:

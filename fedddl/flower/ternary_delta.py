@@ -68,7 +68,7 @@ from fedddl.flower.delta_replies import (
 )
 from fedddl.flower.delta_settings import check_settings
 from fedddl.flower.delta_traffic import Traffic, TrafficLog, array_bytes, whole_model_reason
-from fedddl.flower.error_feedback_choice import feedback_in_round, resolve_error_feedback
+from fedddl.flower.error_feedback_choice import FeedbackWindow, resolve_error_feedback
 from fedddl.sync.direction import DirectionCheck
 from fedddl.sync.errors import PayloadRejected
 from fedddl.sync.messages import ClientReply, ParseFailure
@@ -124,8 +124,8 @@ class TernaryDelta(Strategy):
     feedback_warmup_rounds, feedback_until_round : int
         ``error_feedback`` applies to the replies of rounds ``feedback_warmup_rounds + 1``
         to ``feedback_until_round`` (0: to the end); outside them no residual is added or
-        kept. It speeds the first rounds and keeps the grid's counts small; later it cost
-        FedAvg accuracy (docs/results/dropin-accuracy.md, ninth round).
+        kept (:class:`~fedddl.flower.error_feedback_choice.FeedbackWindow`, ``.feedback``;
+        why 20: docs/results/dropin-accuracy.md, ninth round).
     threshold_warmup_rounds, warmup_threshold : int, float
         Rounds at the start whose replies' ternary deltas use the cut ``warmup_threshold``
         (in [0, 1], sent in :data:`META`) instead of the compressor's own (a threshold
@@ -185,19 +185,18 @@ class TernaryDelta(Strategy):
             compressor=compressor, clip_sigma=clip_sigma, downlink=downlink,
             update_log_size=update_log_size, grid_levels=grid_levels,
             grid_log_size=grid_log_size, resync_interval=resync_interval,
-            downlink_steps=downlink_steps, feedback_warmup_rounds=feedback_warmup_rounds,
-            feedback_until_round=feedback_until_round,
-            threshold_warmup_rounds=threshold_warmup_rounds,
+            downlink_steps=downlink_steps, threshold_warmup_rounds=threshold_warmup_rounds,
             warmup_threshold=warmup_threshold, scale_bucket=scale_bucket,
         )  # fmt: skip
         self.scale_bucket = scale_bucket
         self.strategy = strategy
         self.compressor = compressor
         self.clip_sigma = float(clip_sigma)
-        feedback, self._feedback_reason = resolve_error_feedback(error_feedback, strategy)
-        self.error_feedback = feedback
-        self.feedback_warmup_rounds = feedback_warmup_rounds
-        self.feedback_until_round = feedback_until_round
+        self.feedback = FeedbackWindow(
+            *resolve_error_feedback(error_feedback, strategy),
+            feedback_warmup_rounds, feedback_until_round,
+        )  # fmt: skip
+        self.error_feedback = self.feedback.on
         self.threshold_warmup_rounds = threshold_warmup_rounds
         self.warmup_threshold = float(warmup_threshold)
         self.downlink = mode
@@ -244,10 +243,7 @@ class TernaryDelta(Strategy):
             log(_INFO, "\t│\t├── Uplink cut: %g in rounds 1-%d, then the compressor's",
                 self.warmup_threshold, self.threshold_warmup_rounds)
         log(_INFO, "\t│\t├── Scale bound: %g (%s)", bound.factor, bound.action)
-        first, until = self.feedback_warmup_rounds + 1, self.feedback_until_round or "end"
-        rounds = f", rounds {first}-{until}" if self.error_feedback else ""
-        log(_INFO, "\t│\t└── Error feedback: %s (%s)%s", self.error_feedback,
-            self._feedback_reason, rounds)
+        log(_INFO, "\t│\t└── Error feedback: %s", self.feedback)
         self.strategy.summary()
 
     # ------------------------------------------------------------------ rounds
@@ -309,9 +305,7 @@ class TernaryDelta(Strategy):
 
     def _feedback_for(self, server_round: int) -> None:
         """The uplink's error feedback setting and cut that this round's messages carry."""
-        self.broadcast.error_feedback = self.error_feedback and feedback_in_round(
-            server_round, self.feedback_warmup_rounds, self.feedback_until_round
-        )
+        self.broadcast.error_feedback = self.feedback.applies(server_round)
         early = server_round <= self.threshold_warmup_rounds
         self.broadcast.threshold = self.warmup_threshold if early else None
 
