@@ -196,7 +196,6 @@ class TernaryDelta(Strategy):
             *resolve_error_feedback(error_feedback, strategy),
             feedback_warmup_rounds, feedback_until_round,
         )  # fmt: skip
-        self.error_feedback = self.feedback.on
         self.threshold_warmup_rounds = threshold_warmup_rounds
         self.warmup_threshold = float(warmup_threshold)
         self.downlink = mode
@@ -225,6 +224,11 @@ class TernaryDelta(Strategy):
         self._modded: set[int] = set()  # nodes that answered with the mod's record
         self._whole: set[int] = set()  # nodes whose last message was the whole model
         self._sent: dict[int, tuple[Message, str, Layout]] = {}
+
+    @property
+    def error_feedback(self) -> bool:
+        """Whether the uplink uses error feedback at all (``error_feedback`` resolved)."""
+        return self.feedback.on
 
     def __repr__(self) -> str:
         """Name and settings."""

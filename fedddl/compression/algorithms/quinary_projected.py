@@ -18,6 +18,7 @@ from fedddl.compression.algorithms.payload import (
 )
 from fedddl.compression.algorithms.ternary_projected import PROJECTION_CAP
 from fedddl.compression.backends.base5 import pack_base5
+from fedddl.compression.backends.statistics import all_finite_array
 
 __all__ = ["QuinaryProjectedCompressor"]
 
@@ -83,7 +84,7 @@ class QuinaryProjectedCompressor(Compressor):
             raise ValueError(f"{self.name} takes no shared scale")
         ctx = Context(tuple(tensor.shape), tensor.dtype, tensor.device)
         flat = tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float64).numpy()
-        if not bool(np.isfinite(flat).all()):
+        if not all_finite_array(flat):
             raise ValueError("tensor has NaN or Inf values")
         if flat.size < self.min_numel:
             return DensePayload(tensor.detach().to("cpu", copy=True).contiguous()), ctx
